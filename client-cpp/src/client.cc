@@ -1,0 +1,382 @@
+#include "tsd/client.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "cuda_host.h"
+#include "proto/status_convert.h"
+#include "proto/tsd.grpc.pb.h"
+#include "proto/wire.h"
+
+namespace tsd {
+namespace {
+
+constexpr auto kControlDeadline = std::chrono::seconds(60);  // allocations populate memory
+constexpr int kSideReplyTimeoutMs = 30000;
+
+std::string HowToStart(const std::string& path) {
+  return absl::StrCat("start it with `tsd --socket ", path,
+                      "` (or `systemctl start tsd` for the system service), or point TSD_SOCKET at the "
+                      "socket of a running tsd");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Region
+
+Region::~Region() { Unmap(); }
+
+void Region::Unmap() {
+  if (data_ != nullptr) {
+    if (cuda_registered_) cuda_host::Unregister(data_);
+    munmap(data_, desc_.size);
+    data_ = nullptr;
+    cuda_registered_ = false;
+  }
+  if (fd_ >= 0) {
+    close(fd_);
+    fd_ = -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client
+
+struct Client::Impl {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Tsd::Stub> stub;
+
+  mutable absl::Mutex mu;
+  bool attached ABSL_GUARDED_BY(mu) = false;
+  v1::SessionRef session ABSL_GUARDED_BY(mu);
+  std::string job ABSL_GUARDED_BY(mu);
+  uint64_t quota_bytes ABSL_GUARDED_BY(mu) = 0;
+  int side_fd ABSL_GUARDED_BY(mu) = -1;
+  std::string notice ABSL_GUARDED_BY(mu);  // what the daemon said when it closed on us
+
+  ~Impl() {
+    if (side_fd >= 0) close(side_fd);
+  }
+
+  // Reads one reply from the side socket, waiting up to the timeout. A notice (e.g. shutdown)
+  // becomes an error carrying the daemon's words.
+  absl::StatusOr<std::pair<v1::SideReply, int>> ReadSide() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    pollfd p{side_fd, POLLIN, 0};
+    const int ready = poll(&p, 1, kSideReplyTimeoutMs);
+    if (ready == 0) return absl::DeadlineExceededError("tsd did not answer on the side socket in time");
+    auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/false);
+    if (!d.ok()) {
+      return absl::UnavailableError(notice.empty() ? "tsd closed the session's side connection (it stopped "
+                                                     "or dropped this session)"
+                                                   : notice);
+    }
+    v1::SideReply reply;
+    if (!reply.ParseFromString(d->bytes)) {
+      if (d->fd >= 0) close(d->fd);
+      return absl::InternalError("tsd sent a side reply this client cannot parse (version mismatch?)");
+    }
+    if (reply.has_notice()) {
+      notice = reply.notice().message();
+      if (d->fd >= 0) close(d->fd);
+      return absl::UnavailableError(notice);
+    }
+    if (reply.code() != 0) {
+      if (d->fd >= 0) close(d->fd);
+      return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+    }
+    return std::make_pair(std::move(reply), d->fd);
+  }
+
+  // Picks up a notice the daemon left on the side socket without waiting.
+  void PollNotice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (side_fd < 0 || !notice.empty()) return;
+    bool would_block = false;
+    auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/true, &would_block);
+    if (!d.ok() || would_block) return;
+    if (d->fd >= 0) close(d->fd);
+    v1::SideReply reply;
+    if (reply.ParseFromString(d->bytes) && reply.has_notice()) notice = reply.notice().message();
+  }
+
+  // Turns a failed gRPC call into an error that says what happened to the daemon.
+  absl::Status Explain(const grpc::Status& s, const std::string& path) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return wire::FromGrpc(s);
+    PollNotice();
+    if (!notice.empty()) return absl::UnavailableError(notice);
+    return absl::UnavailableError(absl::StrCat("tsd at ", path, " is not answering (", s.error_message(),
+                                               "); ", HowToStart(path)));
+  }
+};
+
+Client::Client(std::string socket_path) : socket_path_(std::move(socket_path)), impl_(new Impl) {}
+
+Client::~Client() {
+  if (attached()) (void)Detach();
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socket_path) {
+  const std::string path = wire::ResolveSocketPath(socket_path);
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("no tsd is running at ", path, " (", std::strerror(errno),
+                                               "); ", HowToStart(path)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::UnavailableError(absl::StrCat(path, " exists but is not a socket; ", HowToStart(path)));
+  }
+  std::unique_ptr<Client> c(new Client(path));
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  c->impl_->channel = grpc::CreateCustomChannel("unix:" + path, grpc::InsecureChannelCredentials(), args);
+  c->impl_->stub = v1::Tsd::NewStub(c->impl_->channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::StatusRequest req;
+  v1::StatusResponse resp;
+  grpc::Status s = c->impl_->stub->Status(&ctx, req, &resp);
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("no tsd is answering at ", path, " (", s.error_message(), "); ",
+                                               HowToStart(path)));
+  }
+  return c;
+}
+
+bool Client::attached() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->attached;
+}
+std::string Client::job() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->job;
+}
+uint64_t Client::quota_bytes() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->quota_bytes;
+}
+uint64_t Client::session_id() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->session.session_id();
+}
+
+absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->attached) {
+    return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '", impl_->job,
+                                                      "'; detach first or use another Client"));
+  }
+  v1::AttachRequest req;
+  req.set_job(job);
+  req.set_quota_bytes(quota_bytes);
+  v1::AttachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
+  grpc::Status s = impl_->stub->Attach(&ctx, req, &resp);
+  if (!s.ok()) return impl_->Explain(s, socket_path_);
+
+  // Bind the session on the side socket: the daemon learns our uid there.
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string& side = resp.side_socket();
+  if (side.size() >= sizeof(addr.sun_path)) {
+    close(fd);
+    return absl::InternalError(absl::StrCat("side socket path '", side, "' is too long"));
+  }
+  std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
+                                               std::strerror(err)));
+  }
+  v1::SideRequest hello;
+  *hello.mutable_hello()->mutable_session() = resp.session();
+  std::string bytes;
+  hello.SerializeToString(&bytes);
+  impl_->side_fd = fd;
+  impl_->notice.clear();
+  if (absl::Status st = wire::SendDatagram(fd, bytes); !st.ok()) {
+    close(fd);
+    impl_->side_fd = -1;
+    return st;
+  }
+  auto reply = impl_->ReadSide();
+  if (!reply.ok()) {
+    close(fd);
+    impl_->side_fd = -1;
+    return reply.status();
+  }
+  impl_->attached = true;
+  impl_->session = resp.session();
+  impl_->job = reply->first.hello().job();
+  impl_->quota_bytes = reply->first.hello().quota_bytes();
+  return absl::OkStatus();
+}
+
+absl::Status Client::Detach() {
+  absl::MutexLock lock(&impl_->mu);
+  if (!impl_->attached) return absl::FailedPreconditionError("this client is not attached to a job");
+  v1::DetachRequest req;
+  *req.mutable_session() = impl_->session;
+  v1::DetachResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->Detach(&ctx, req, &resp);
+  absl::Status result = s.ok() ? absl::OkStatus() : impl_->Explain(s, socket_path_);
+  // Whatever the daemon said, this session is over here; closing the side connection also ends it
+  // in the daemon if the call did not arrive.
+  close(impl_->side_fd);
+  impl_->side_fd = -1;
+  impl_->attached = false;
+  impl_->session.Clear();
+  return result;
+}
+
+absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) {
+  std::shared_ptr<Region> region;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+    v1::SideRequest req;
+    req.mutable_get_fd()->set_region_id(region_id);
+    std::string bytes;
+    req.SerializeToString(&bytes);
+    if (absl::Status s = wire::SendDatagram(impl_->side_fd, bytes); !s.ok()) {
+      impl_->PollNotice();
+      return impl_->notice.empty() ? s : absl::UnavailableError(impl_->notice);
+    }
+    auto reply = impl_->ReadSide();
+    if (!reply.ok()) return reply.status();
+    const auto& info = reply->first.fd().region();
+    if (reply->second < 0) return absl::InternalError("tsd's reply carried no descriptor");
+    region.reset(new Region(RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()},
+                            reply->second));
+  }
+  void* p = mmap(nullptr, region->size(), PROT_READ | PROT_WRITE, MAP_SHARED, region->fd(), 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping region '", region->name(), "' (",
+                                                     region->size(), " bytes) failed: ", std::strerror(errno)));
+  }
+  region->data_ = p;
+  if (cuda_host::CudaHostAvailable()) {
+    if (absl::Status s = cuda_host::Register(p, region->size()); !s.ok()) return s;
+    region->cuda_registered_ = true;
+  }
+  return region;
+}
+
+absl::StatusOr<std::shared_ptr<Region>> Client::Alloc(const std::string& name, uint64_t bytes) {
+  v1::AllocResponse resp;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job before allocating");
+    v1::AllocRequest req;
+    *req.mutable_session() = impl_->session;
+    req.set_name(name);
+    req.set_size_bytes(bytes);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
+    grpc::Status s = impl_->stub->Alloc(&ctx, req, &resp);
+    if (!s.ok()) return impl_->Explain(s, socket_path_);
+  }
+  auto region = FetchAndMap(resp.region().region_id());
+  if (!region.ok()) {
+    // Do not leave a region behind that this caller never got.
+    absl::MutexLock lock(&impl_->mu);
+    v1::FreeRequest req;
+    *req.mutable_session() = impl_->session;
+    req.set_region_id(resp.region().region_id());
+    v1::FreeResponse ignored;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    (void)impl_->stub->Free(&ctx, req, &ignored);
+  }
+  return region;
+}
+
+absl::StatusOr<std::vector<RegionDesc>> Client::ListRegions() {
+  absl::MutexLock lock(&impl_->mu);
+  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+  v1::ListRegionsRequest req;
+  *req.mutable_session() = impl_->session;
+  v1::ListRegionsResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->ListRegions(&ctx, req, &resp);
+  if (!s.ok()) return impl_->Explain(s, socket_path_);
+  std::vector<RegionDesc> out;
+  for (const auto& r : resp.regions()) out.push_back({r.region_id(), r.name(), r.size_bytes(), r.locked()});
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<Region>> Client::Map(const std::string& name) {
+  auto regions = ListRegions();
+  if (!regions.ok()) return regions.status();
+  for (const auto& r : *regions) {
+    if (r.name == name) return FetchAndMap(r.id);
+  }
+  return absl::NotFoundError(absl::StrCat("job '", job(), "' has no region named '", name, "' (it has ",
+                                          regions->size(), " regions)"));
+}
+
+absl::Status Client::Free(const std::shared_ptr<Region>& region) {
+  if (region == nullptr) return absl::InvalidArgumentError("Free() of a null region");
+  absl::MutexLock lock(&impl_->mu);
+  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+  v1::FreeRequest req;
+  *req.mutable_session() = impl_->session;
+  req.set_region_id(region->id());
+  v1::FreeResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->Free(&ctx, req, &resp);
+  if (!s.ok()) return impl_->Explain(s, socket_path_);
+  region->Unmap();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PoolStatus> Client::Status() {
+  v1::StatusRequest req;
+  v1::StatusResponse r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->Status(&ctx, req, &r);
+  if (!s.ok()) {
+    absl::MutexLock lock(&impl_->mu);
+    return impl_->Explain(s, socket_path_);
+  }
+  return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(), r.used_bytes(), r.locked(),
+                    r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid()};
+}
+
+absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
+  v1::ListJobsRequest req;
+  v1::ListJobsResponse r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->ListJobs(&ctx, req, &r);
+  if (!s.ok()) {
+    absl::MutexLock lock(&impl_->mu);
+    return impl_->Explain(s, socket_path_);
+  }
+  std::vector<JobStatus> out;
+  for (const auto& j : r.jobs()) {
+    out.push_back({j.name(), j.uid(), j.sessions(), j.used_bytes(), j.quota_bytes(), j.regions()});
+  }
+  return out;
+}
+
+}  // namespace tsd

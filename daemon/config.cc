@@ -1,0 +1,237 @@
+#include "daemon/config.h"
+
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+#include <toml++/toml.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/version.h"
+#include "proto/wire.h"
+
+namespace tsd {
+namespace {
+
+constexpr char kDefaultConfigPath[] = "/etc/tsd/tsd.toml";
+
+absl::Status ReadToml(const std::string& path, Config& c) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    std::ostringstream where;
+    where << e.source().begin;
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file ", path, ": ", std::string(e.description()), " at ", where.str()));
+  }
+  const std::vector<std::pair<const char*, std::string*>> strings = {
+      {"socket", &c.socket},
+      {"socket_group", &c.socket_group},
+      {"pool_size", &c.pool_size},
+      {"max_job_quota", &c.max_job_quota},
+      {"orphan_grace", &c.orphan_grace},
+      {"log_level", &c.log_level},
+  };
+  for (const auto& [key, node] : table) {
+    bool known = false;
+    for (const auto& [name, field] : strings) {
+      if (std::string(key.str()) != name) continue;
+      known = true;
+      if (const auto* s = node.as_string()) {
+        *field = s->get();
+      } else if (const auto* i = node.as_integer()) {
+        *field = std::to_string(i->get());  // e.g. pool_size = 1073741824, orphan_grace = 5
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": '", std::string(key.str()),
+                                                       "' must be a string"));
+      }
+    }
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config file ", path, ": unknown setting '", std::string(key.str()),
+          "'; known are socket, socket_group, pool_size, max_job_quota, orphan_grace, log_level"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+uint64_t PhysicalMemoryBytes() {
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return 0;
+  return static_cast<uint64_t>(info.totalram) * info.mem_unit;
+}
+
+absl::StatusOr<uint64_t> ParseSize(const std::string& text, uint64_t percent_of) {
+  std::string t(absl::StripAsciiWhitespace(text));
+  const std::string original = t;
+  if (t.empty()) return absl::InvalidArgumentError("size is empty; write e.g. 64GiB, 512MiB or 60%");
+  if (t.back() == '%') {
+    double pct;
+    if (!absl::SimpleAtod(t.substr(0, t.size() - 1), &pct) || pct <= 0 ||
+        pct > 100) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("size '", original, "': a share must be in (0, 100]%"));
+    }
+    return static_cast<uint64_t>(std::floor(static_cast<double>(percent_of) * pct / 100.0));
+  }
+  size_t split = 0;
+  while (split < t.size() && (std::isdigit(static_cast<unsigned char>(t[split])) || t[split] == '.')) {
+    ++split;
+  }
+  double number;
+  if (split == 0 || !absl::SimpleAtod(t.substr(0, split), &number)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size '", original, "' does not start with a number; write e.g. 64GiB"));
+  }
+  std::string unit = absl::AsciiStrToLower(absl::StripAsciiWhitespace(t.substr(split)));
+  double mult;
+  if (unit.empty() || unit == "b") {
+    mult = 1;
+  } else if (unit == "k" || unit == "kib") {
+    mult = 1024.0;
+  } else if (unit == "m" || unit == "mib") {
+    mult = 1024.0 * 1024;
+  } else if (unit == "g" || unit == "gib") {
+    mult = 1024.0 * 1024 * 1024;
+  } else if (unit == "t" || unit == "tib") {
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  } else if (unit == "kb") {
+    mult = 1e3;
+  } else if (unit == "mb") {
+    mult = 1e6;
+  } else if (unit == "gb") {
+    mult = 1e9;
+  } else if (unit == "tb") {
+    mult = 1e12;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "size '", original, "' has unknown unit '", unit, "'; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %"));
+  }
+  const double bytes = number * mult;
+  if (bytes >= 1.8e19) return absl::InvalidArgumentError(absl::StrCat("size '", original, "' is too large"));
+  return static_cast<uint64_t>(bytes);
+}
+
+absl::StatusOr<absl::Duration> ParseDurationArg(const std::string& text) {
+  std::string t(absl::StripAsciiWhitespace(text));
+  double seconds;
+  if (absl::SimpleAtod(t, &seconds)) {
+    if (seconds < 0) return absl::InvalidArgumentError(absl::StrCat("duration '", t, "' is negative"));
+    return absl::Seconds(seconds);
+  }
+  absl::Duration d;
+  if (!absl::ParseDuration(t, &d) || d < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("duration '", t, "' is not valid; write e.g. 0, 5s, 500ms or 2m"));
+  }
+  return d;
+}
+
+absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
+  LoadedConfig out;
+  Config flags;
+  CLI::App app{
+      "tsd: the TrainStream daemon. Owns locked host memory and lends it to training processes\n"
+      "that attach over a local socket (gRPC for control, a side socket for file descriptors).",
+      "tsd"};
+  app.set_version_flag("--version", std::string("tsd ") + kVersion);
+  std::string config_path;
+  bool print_config = false;
+  app.add_option("--config", config_path,
+                 "TOML config file (default /etc/tsd/tsd.toml when it exists); flags override it");
+  auto* o_socket = app.add_option("--socket", flags.socket,
+                                  "control socket path (default /run/tsd/tsd.sock as root, else "
+                                  "$XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock)");
+  auto* o_group = app.add_option("--socket-group", flags.socket_group,
+                                 "group whose members may connect (sockets 0660, directory 0770)");
+  auto* o_pool = app.add_option("--pool-size", flags.pool_size,
+                                "host memory the daemon lends: 64GiB, 512MiB or 60% of RAM (default 50%)");
+  auto* o_quota = app.add_option("--max-job-quota", flags.max_job_quota,
+                                 "largest quota one job may hold: a size or a share of the pool (default 100%)");
+  auto* o_grace = app.add_option("--orphan-grace", flags.orphan_grace,
+                                 "keep a job's memory this long after its last session died (default 0s)");
+  auto* o_log = app.add_option("--log-level", flags.log_level,
+                               "trace, debug, info, warn, error, critical or off (default info)");
+  app.add_flag("--print-config", print_config, "print the effective configuration as TOML and exit");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    out.action = Action::kExit;
+    out.exit_code = app.exit(e);
+    return out;
+  }
+
+  Config c;
+  if (!config_path.empty()) {
+    if (!std::filesystem::exists(config_path)) {
+      return absl::NotFoundError(absl::StrCat("config file ", config_path, " does not exist"));
+    }
+  } else if (std::filesystem::exists(kDefaultConfigPath)) {
+    config_path = kDefaultConfigPath;
+  }
+  if (!config_path.empty()) {
+    if (absl::Status s = ReadToml(config_path, c); !s.ok()) return s;
+    c.config_path = config_path;
+  }
+  if (*o_socket) c.socket = flags.socket;
+  if (*o_group) c.socket_group = flags.socket_group;
+  if (*o_pool) c.pool_size = flags.pool_size;
+  if (*o_quota) c.max_job_quota = flags.max_job_quota;
+  if (*o_grace) c.orphan_grace = flags.orphan_grace;
+  if (*o_log) c.log_level = flags.log_level;
+
+  if (c.socket.empty()) c.socket = wire::DefaultSocketPath();
+  auto pool = ParseSize(c.pool_size, PhysicalMemoryBytes());
+  if (!pool.ok()) return absl::InvalidArgumentError(absl::StrCat("pool_size: ", pool.status().message()));
+  if (*pool < wire::kPageBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("pool_size '", c.pool_size, "' is below one page"));
+  }
+  c.pool_bytes = *pool / wire::kPageBytes * wire::kPageBytes;
+  auto quota = ParseSize(c.max_job_quota, c.pool_bytes);
+  if (!quota.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("max_job_quota: ", quota.status().message()));
+  }
+  c.max_job_quota_bytes = std::min(*quota, c.pool_bytes);
+  auto grace = ParseDurationArg(c.orphan_grace);
+  if (!grace.ok()) return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
+  c.orphan_grace_duration = *grace;
+  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (std::find(std::begin(kLevels), std::end(kLevels), c.log_level) == std::end(kLevels)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "log_level '", c.log_level, "' is not one of trace, debug, info, warn, error, critical, off"));
+  }
+  out.config = c;
+  out.action = print_config ? Action::kPrintConfig : Action::kRun;
+  return out;
+}
+
+std::string ConfigToToml(const Config& c) {
+  toml::table t{
+      {"socket", c.socket},
+      {"socket_group", c.socket_group},
+      {"pool_size", c.pool_size},
+      {"max_job_quota", c.max_job_quota},
+      {"orphan_grace", c.orphan_grace},
+      {"log_level", c.log_level},
+  };
+  std::ostringstream os;
+  os << "# effective tsd configuration"
+     << (c.config_path.empty() ? std::string(" (no config file)") : " from " + c.config_path) << "\n"
+     << "# pool_size resolves to " << c.pool_bytes << " bytes (" << wire::FormatBytes(c.pool_bytes)
+     << "), max_job_quota to " << c.max_job_quota_bytes << " bytes\n"
+     << t << "\n";
+  return os.str();
+}
+
+}  // namespace tsd

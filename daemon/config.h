@@ -1,0 +1,54 @@
+// The daemon's configuration: one struct, loaded from TOML (/etc/tsd/tsd.toml or --config) and
+// overridden by command-line flags. `LoadConfig` is the only place that knows both sources, so
+// `--print-config` shows exactly what the daemon runs with.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tsd {
+
+struct Config {
+  std::string socket;          // control socket path; empty = the default for this uid
+  std::string socket_group;    // group given access to the sockets (mode 0660/0770); empty = ours
+  std::string pool_size = "50%";      // as given: "64GiB", "512MiB", "60%" (of RAM), or bytes
+  std::string max_job_quota = "100%"; // as given; a share is of the pool
+  std::string orphan_grace = "0s";    // how long a job without live sessions keeps its memory
+  std::string log_level = "info";     // trace, debug, info, warn, error, critical, off
+  std::string config_path;            // the file that was read, or empty
+
+  // Resolved values, filled by LoadConfig.
+  uint64_t pool_bytes = 0;
+  uint64_t max_job_quota_bytes = 0;
+  absl::Duration orphan_grace_duration = absl::ZeroDuration();
+};
+
+// What the command line asked for besides the configuration.
+enum class Action { kRun, kPrintConfig, kExit };
+
+struct LoadedConfig {
+  Config config;
+  Action action = Action::kRun;
+  int exit_code = 0;  // for Action::kExit (e.g. --help, --version, a bad flag)
+};
+
+// Parses argv (CLI11), reads the TOML file, applies flags over it and resolves sizes. A bad flag
+// or file gives an error that names it; --help and --version give Action::kExit.
+absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv);
+
+// Renders the effective configuration as TOML (what --print-config prints).
+std::string ConfigToToml(const Config& config);
+
+// "64GiB", "512MiB", "1.5GB", "4096", "60%" (of `percent_of`). Units: B, KiB, MiB, GiB, TiB
+// (binary) and KB, MB, GB, TB (decimal), case-insensitive; K/M/G/T alone are binary.
+absl::StatusOr<uint64_t> ParseSize(const std::string& text, uint64_t percent_of);
+// "0", "0s", "500ms", "2s", "1m": a plain number is seconds.
+absl::StatusOr<absl::Duration> ParseDurationArg(const std::string& text);
+// Total physical memory of this machine in bytes.
+uint64_t PhysicalMemoryBytes();
+
+}  // namespace tsd

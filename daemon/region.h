@@ -1,0 +1,45 @@
+// A Region is one block of host memory the daemon lends to a job: an unnamed memfd, sized,
+// populated (every page allocated up front, so a client can never take a SIGBUS for lack of
+// memory), sealed against shrinking and growing (so no client can make the daemon fault on its
+// own mapping), mapped into the daemon and, when the pool is locked, mlock()ed. The daemon never
+// reuses a memfd: on destruction the pages are punched out of it (returned to the kernel, which
+// zero-fills any page before giving it out again), even if a client still maps the descriptor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace tsd {
+
+class Region final {
+ public:
+  // Creates a region of `bytes` (a multiple of the page size). `lock` asks for mlock().
+  static absl::StatusOr<std::unique_ptr<Region>> Create(uint64_t id, std::string name,
+                                                         uint64_t bytes, bool lock);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  uint64_t id() const { return id_; }
+  const std::string& name() const { return name_; }
+  uint64_t bytes() const { return bytes_; }
+  bool locked() const { return locked_; }
+  void* data() const { return data_; }
+  // The memfd, owned by the region. Dup it before handing it out.
+  int fd() const { return fd_; }
+
+ private:
+  Region(uint64_t id, std::string name, uint64_t bytes) : id_(id), name_(std::move(name)), bytes_(bytes) {}
+
+  const uint64_t id_;
+  const std::string name_;
+  const uint64_t bytes_;
+  int fd_ = -1;
+  void* data_ = nullptr;
+  bool locked_ = false;
+};
+
+}  // namespace tsd

@@ -1,0 +1,399 @@
+#include "daemon/registry.h"
+
+#include <fcntl.h>
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
+
+namespace tsd {
+namespace {
+
+using wire::FormatBytes;
+
+Token NewToken() {
+  Token t{};
+  size_t got = 0;
+  while (got < t.size()) {
+    const ssize_t n = getrandom(t.data() + got, t.size() - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      spdlog::critical("event=getrandom_failed error=\"{}\"", std::strerror(errno));
+      std::abort();  // no safe token can be made: a broken invariant of the host
+    }
+    got += static_cast<size_t>(n);
+  }
+  return t;
+}
+
+// Compares without an early exit, so timing does not tell how much of a guess was right.
+bool TokenEquals(const Token& want, const std::string& got) {
+  if (got.size() != want.size()) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < want.size(); ++i) diff |= want[i] ^ static_cast<uint8_t>(got[i]);
+  return diff == 0;
+}
+
+uint64_t RoundUpToPage(uint64_t bytes) {
+  return (bytes + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes;
+}
+
+}  // namespace
+
+Registry::Registry(RegistryOptions options) : options_(options) {}
+
+Registry::~Registry() { ReleaseAll(); }
+
+v1::RegionInfo Registry::Describe(const Region& r) {
+  v1::RegionInfo info;
+  info.set_region_id(r.id());
+  info.set_name(r.name());
+  info.set_size_bytes(r.bytes());
+  info.set_kind(v1::MEMFD);
+  info.set_locked(r.locked());
+  return info;
+}
+
+absl::StatusOr<AttachGrant> Registry::BeginAttach(const std::string& job, uint64_t quota_bytes) {
+  if (absl::Status s = wire::ValidateName("job", job); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  size_t pending = 0;
+  for (const auto& [id, s] : sessions_) pending += s.live ? 0 : 1;
+  if (pending >= options_.max_pending) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        pending, " sessions are waiting for their side-socket hello (the limit); retry shortly"));
+  }
+  AttachGrant grant;
+  grant.session_id = next_session_id_++;
+  grant.token = NewToken();
+  const uint64_t asked = quota_bytes == 0 ? options_.max_job_quota_bytes : quota_bytes;
+  grant.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
+  if (auto it = jobs_.find(job); it != jobs_.end()) grant.quota_bytes = it->second.quota_bytes;
+  Session s;
+  s.id = grant.session_id;
+  s.job = job;
+  s.token = grant.token;
+  s.hello_deadline = absl::Now() + options_.hello_timeout;
+  s.requested_quota = grant.quota_bytes;
+  sessions_.emplace(s.id, std::move(s));
+  return grant;
+}
+
+absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const std::string& token,
+                                                    uid_t uid, pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session ", session_id, " is not pending: it never existed, expired, or ended; call Attach again"));
+  }
+  Session& s = it->second;
+  if (!TokenEquals(s.token, token)) {
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
+  }
+  if (s.live) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session ", session_id, " already completed its hello; a token works for one connection only"));
+  }
+  HelloResult result;
+  result.job = s.job;
+  auto job = jobs_.find(s.job);
+  if (job != jobs_.end() && job->second.uid != uid) {
+    const uid_t owner = job->second.uid;
+    sessions_.erase(it);  // the token is spent either way
+    return absl::PermissionDeniedError(absl::StrCat("job '", result.job, "' belongs to uid ", owner,
+                                                    "; uid ", uid, " may not attach to it"));
+  }
+  if (job == jobs_.end()) {
+    if (jobs_.size() >= options_.max_jobs) {
+      sessions_.erase(it);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the daemon holds ", jobs_.size(), " jobs, its limit; detach unused jobs first"));
+    }
+    Job j;
+    j.instance = next_job_instance_++;
+    j.name = s.job;
+    j.uid = uid;
+    j.quota_bytes = s.requested_quota;
+    job = jobs_.emplace(j.name, std::move(j)).first;
+    result.job_created = true;
+    spdlog::info("event=job_created job={} uid={} quota_bytes={}", result.job, uid, s.requested_quota);
+  }
+  s.live = true;
+  s.uid = uid;
+  s.pid = pid;
+  job->second.sessions.insert(session_id);
+  job->second.orphaned_since.reset();
+  result.quota_bytes = job->second.quota_bytes;
+  spdlog::info("event=session_attached job={} session={} uid={} pid={}", result.job, session_id, uid, pid);
+  return result;
+}
+
+absl::StatusOr<Registry::Session*> Registry::LiveSession(const v1::SessionRef& ref) {
+  auto it = sessions_.find(ref.session_id());
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("session ", ref.session_id(),
+                                            " does not exist (ended, or never attached); attach again"));
+  }
+  if (!TokenEquals(it->second.token, ref.token())) {
+    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", ref.session_id()));
+  }
+  if (!it->second.live) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", ref.session_id(), " has not sent its hello on the side socket yet"));
+  }
+  return &it->second;
+}
+
+std::string Registry::HoldersLocked() const {
+  std::vector<const Job*> by_use;
+  for (const auto& [name, j] : jobs_) by_use.push_back(&j);
+  std::sort(by_use.begin(), by_use.end(),
+            [](const Job* a, const Job* b) { return a->used_bytes > b->used_bytes; });
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < by_use.size() && i < 5; ++i) {
+    if (by_use[i]->used_bytes == 0) break;
+    parts.push_back(absl::StrCat("job '", by_use[i]->name, "' (uid ", by_use[i]->uid, ") ",
+                                 FormatBytes(by_use[i]->used_bytes)));
+  }
+  if (parts.empty()) return "nobody";
+  if (by_use.size() > 5) parts.push_back(absl::StrCat(by_use.size() - 5, " more jobs"));
+  return absl::StrJoin(parts, ", ");
+}
+
+absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const std::string& name,
+                                               uint64_t size_bytes) {
+  if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
+  uint64_t bytes = 0, region_id = 0, instance = 0;
+  std::string job_name;
+  {
+    absl::MutexLock lock(&mu_);
+    auto session = LiveSession(ref);
+    if (!session.ok()) return session.status();
+    Job& job = jobs_.at((*session)->job);
+    if (size_bytes == 0) {
+      return absl::InvalidArgumentError("region size is 0 bytes; ask for at least 1 byte");
+    }
+    if (size_bytes > options_.pool_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "region '", name, "' asks ", size_bytes, " bytes (", FormatBytes(size_bytes),
+          "), more than the whole pool of ", FormatBytes(options_.pool_bytes)));
+    }
+    bytes = RoundUpToPage(size_bytes);
+    if (job.names.count(name) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has a region named '",
+                                                   name, "'; free it or pick another name"));
+    }
+    if (job.names.size() >= options_.max_regions_per_job) {
+      return absl::ResourceExhaustedError(absl::StrCat("job '", job.name, "' holds ", job.names.size(),
+                                                       " regions, the limit; free some first"));
+    }
+    if (job.used_bytes + bytes > job.quota_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "region '", name, "' (", FormatBytes(bytes), ") would exceed job '", job.name,
+          "''s quota: it holds ", FormatBytes(job.used_bytes), " of ", FormatBytes(job.quota_bytes), " (",
+          FormatBytes(job.quota_bytes - job.used_bytes), " free); free regions, or start the job with a larger "
+          "quota (at most ", FormatBytes(options_.max_job_quota_bytes), ")"));
+    }
+    if (used_bytes_ + bytes > options_.pool_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "region '", name, "' (", FormatBytes(bytes), ") does not fit in the pool: ",
+          FormatBytes(options_.pool_bytes - used_bytes_), " free of ", FormatBytes(options_.pool_bytes),
+          "; held by ", HoldersLocked()));
+    }
+    job.used_bytes += bytes;
+    used_bytes_ += bytes;
+    job.names.insert(name);
+    region_id = next_region_id_++;
+    instance = job.instance;
+    job_name = job.name;
+  }
+
+  auto region = Region::Create(region_id, name, bytes, options_.lock_memory);
+
+  std::unique_ptr<Region> dead;  // destroyed after the lock is dropped
+  absl::MutexLock lock(&mu_);
+  auto job = jobs_.find(job_name);
+  if (job == jobs_.end() || job->second.instance != instance) {
+    // The job was released meanwhile (its last session died); that already uncharged the pool.
+    if (region.ok()) dead = std::move(*region);
+    return absl::NotFoundError(absl::StrCat("job '", job_name, "' was released while region '", name,
+                                            "' was being allocated"));
+  }
+  if (!region.ok()) {
+    job->second.used_bytes -= bytes;
+    used_bytes_ -= bytes;
+    job->second.names.erase(name);
+    spdlog::warn("event=alloc_failed job={} region={} bytes={} error=\"{}\"", job_name, name, bytes,
+                 std::string(region.status().message()));
+    return region.status();
+  }
+  v1::RegionInfo info = Describe(**region);
+  job->second.regions.emplace(region_id, std::move(*region));
+  spdlog::debug("event=alloc job={} region={} id={} bytes={}", job_name, name, region_id, bytes);
+  return info;
+}
+
+absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t region_id) {
+  std::unique_ptr<Region> dead;
+  uint64_t freed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto session = LiveSession(ref);
+    if (!session.ok()) return session.status();
+    Job& job = jobs_.at((*session)->job);
+    auto it = job.regions.find(region_id);
+    if (it == job.regions.end()) {
+      return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '", job.name,
+                                              "' (it holds ", job.regions.size(), " regions; see ListRegions)"));
+    }
+    dead = std::move(it->second);
+    job.regions.erase(it);
+    freed = dead->bytes();
+    job.names.erase(dead->name());
+    job.used_bytes -= freed;
+    used_bytes_ -= freed;
+  }
+  return freed;
+}
+
+absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::SessionRef& ref) {
+  absl::MutexLock lock(&mu_);
+  auto session = LiveSession(ref);
+  if (!session.ok()) return session.status();
+  std::vector<v1::RegionInfo> out;
+  for (const auto& [id, r] : jobs_.at((*session)->job).regions) out.push_back(Describe(*r));
+  return out;
+}
+
+absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end() || !it->second.live) {
+    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
+  }
+  const Job& job = jobs_.at(it->second.job);
+  auto region = job.regions.find(region_id);
+  if (region == job.regions.end()) {
+    return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '", job.name,
+                                            "' (it holds ", job.regions.size(), " regions; see ListRegions)"));
+  }
+  RegionFd out;
+  out.fd = fcntl(region->second->fd(), F_DUPFD_CLOEXEC, 0);
+  if (out.fd < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon could not duplicate a descriptor: ",
+                                                     std::strerror(errno)));
+  }
+  out.info = Describe(*region->second);
+  return out;
+}
+
+void Registry::ReleaseJobLocked(const std::string& name, const char* why,
+                                std::vector<std::unique_ptr<Region>>& dead) {
+  auto it = jobs_.find(name);
+  if (it == jobs_.end()) return;
+  Job& job = it->second;
+  for (uint64_t sid : job.sessions) sessions_.erase(sid);
+  for (auto& [id, r] : job.regions) dead.push_back(std::move(r));
+  used_bytes_ -= job.used_bytes;
+  spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
+               job.used_bytes, job.regions.size(), why);
+  jobs_.erase(it);
+}
+
+void Registry::RemoveSessionLocked(uint64_t session_id, const char* why,
+                                   std::vector<std::unique_ptr<Region>>& dead) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return;
+  const bool live = it->second.live;
+  const std::string job_name = it->second.job;
+  sessions_.erase(it);
+  if (!live) return;
+  spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id, why);
+  auto job = jobs_.find(job_name);
+  if (job == jobs_.end()) return;
+  job->second.sessions.erase(session_id);
+  if (!job->second.sessions.empty()) return;
+  if (options_.orphan_grace <= absl::ZeroDuration() || std::string(why) == "detach") {
+    ReleaseJobLocked(job_name, why, dead);
+  } else {
+    job->second.orphaned_since = absl::Now();
+  }
+}
+
+absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
+  std::vector<std::unique_ptr<Region>> dead;
+  absl::MutexLock lock(&mu_);
+  auto session = LiveSession(ref);
+  if (!session.ok()) return session.status();
+  const std::string job = (*session)->job;
+  RemoveSessionLocked(ref.session_id(), "detach", dead);
+  const bool released = jobs_.count(job) == 0;
+  return released;
+}
+
+void Registry::SessionDisconnected(uint64_t session_id) {
+  std::vector<std::unique_ptr<Region>> dead;  // declared first: destroyed after the lock is dropped
+  absl::MutexLock lock(&mu_);
+  RemoveSessionLocked(session_id, "disconnected", dead);
+}
+
+void Registry::Sweep(absl::Time now) {
+  std::vector<std::unique_ptr<Region>> dead;
+  absl::MutexLock lock(&mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (!it->second.live && now >= it->second.hello_deadline) {
+      spdlog::info("event=pending_session_expired session={} job={}", it->first, it->second.job);
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::string> orphans;
+  for (const auto& [name, job] : jobs_) {
+    if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace) orphans.push_back(name);
+  }
+  for (const auto& name : orphans) ReleaseJobLocked(name, "orphan_grace_expired", dead);
+}
+
+void Registry::ReleaseAll() {
+  std::vector<std::unique_ptr<Region>> dead;
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> names;
+  for (const auto& [name, job] : jobs_) names.push_back(name);
+  for (const auto& name : names) ReleaseJobLocked(name, "shutdown", dead);
+  sessions_.clear();
+}
+
+PoolSnapshot Registry::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  PoolSnapshot s;
+  s.pool_bytes = options_.pool_bytes;
+  s.used_bytes = used_bytes_;
+  s.jobs = static_cast<uint32_t>(jobs_.size());
+  for (const auto& [id, session] : sessions_) s.sessions += session.live ? 1 : 0;
+  return s;
+}
+
+std::vector<v1::JobInfo> Registry::Jobs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::JobInfo> out;
+  for (const auto& [name, job] : jobs_) {
+    v1::JobInfo info;
+    info.set_name(name);
+    info.set_uid(job.uid);
+    info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
+    info.set_used_bytes(job.used_bytes);
+    info.set_quota_bytes(job.quota_bytes);
+    info.set_regions(static_cast<uint32_t>(job.regions.size()));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+}  // namespace tsd

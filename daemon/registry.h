@@ -1,0 +1,145 @@
+// The Registry is the daemon's book of jobs, sessions and regions, and the one place that charges
+// memory to the pool and to job quotas. Every request from a client ends up here, already parsed
+// but not trusted: each id, name and size is checked, and a request that fails changes nothing.
+//
+// A session is born pending (`BeginAttach`, from gRPC) and becomes live when its side-socket hello
+// proves the token and names the caller's uid (`CompleteHello`). A job lives while it has live
+// sessions; when the last one dies its memory is released after the orphan grace period.
+//
+// Locking: one mutex guards all state. Creating a region's memory (slow: pages are allocated and
+// locked) happens outside it, between a charge and a commit, so other clients are never stalled
+// behind a large allocation.
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/region.h"
+#include "proto/tsd.pb.h"
+#include "proto/wire.h"
+
+namespace tsd {
+
+using Token = std::array<uint8_t, wire::kTokenBytes>;
+
+struct RegistryOptions {
+  uint64_t pool_bytes = 0;
+  uint64_t max_job_quota_bytes = 0;
+  bool lock_memory = false;
+  absl::Duration orphan_grace = absl::ZeroDuration();
+  absl::Duration hello_timeout = absl::Seconds(10);
+  size_t max_regions_per_job = 65536;
+  size_t max_pending = 4096;
+  size_t max_jobs = 4096;
+};
+
+struct AttachGrant {
+  uint64_t session_id = 0;
+  Token token{};
+  uint64_t quota_bytes = 0;
+};
+
+struct HelloResult {
+  std::string job;
+  uint64_t quota_bytes = 0;
+  bool job_created = false;
+};
+
+// A descriptor handed out for a region: the caller owns `fd` (a dup of the region's memfd).
+struct RegionFd {
+  int fd = -1;
+  v1::RegionInfo info;
+};
+
+struct PoolSnapshot {
+  uint64_t pool_bytes = 0;
+  uint64_t used_bytes = 0;
+  uint32_t jobs = 0;
+  uint32_t sessions = 0;
+};
+
+class Registry final {
+ public:
+  explicit Registry(RegistryOptions options);
+  ~Registry();
+
+  absl::StatusOr<AttachGrant> BeginAttach(const std::string& job, uint64_t quota_bytes);
+  absl::StatusOr<HelloResult> CompleteHello(uint64_t session_id, const std::string& token, uid_t uid,
+                                            pid_t pid);
+  absl::StatusOr<v1::RegionInfo> Alloc(const v1::SessionRef& ref, const std::string& name,
+                                       uint64_t size_bytes);
+  absl::StatusOr<uint64_t> Free(const v1::SessionRef& ref, uint64_t region_id);
+  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(const v1::SessionRef& ref);
+  // Ends a session on request; true when its job was released with it.
+  absl::StatusOr<bool> Detach(const v1::SessionRef& ref);
+  // For a live session (already bound to its side connection): a dup of a region's memfd.
+  absl::StatusOr<RegionFd> GetFd(uint64_t session_id, uint64_t region_id);
+  // The session's side connection closed (the process exited or was killed).
+  void SessionDisconnected(uint64_t session_id);
+  // Drops expired pending sessions and releases jobs orphaned for longer than the grace period.
+  void Sweep(absl::Time now);
+  // Releases every job (shutdown).
+  void ReleaseAll();
+
+  PoolSnapshot Snapshot() const;
+  std::vector<v1::JobInfo> Jobs() const;
+  const RegistryOptions& options() const { return options_; }
+
+ private:
+  struct Session {
+    uint64_t id = 0;
+    std::string job;
+    Token token{};
+    bool live = false;  // hello completed
+    uid_t uid = 0;
+    pid_t pid = 0;
+    absl::Time hello_deadline;
+    uint64_t requested_quota = 0;
+  };
+  struct Job {
+    uint64_t instance = 0;  // distinguishes a re-created job of the same name
+    std::string name;
+    uid_t uid = 0;
+    uint64_t quota_bytes = 0;
+    uint64_t used_bytes = 0;  // committed regions plus allocations in flight
+    std::map<uint64_t, std::unique_ptr<Region>> regions;
+    std::set<std::string> names;  // of regions, including allocations in flight
+    std::set<uint64_t> sessions;
+    std::optional<absl::Time> orphaned_since;
+  };
+
+  // Finds the live session `ref` names, checking its token. Needs mu_.
+  absl::StatusOr<Session*> LiveSession(const v1::SessionRef& ref) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
+  // the lock is dropped.
+  void ReleaseJobLocked(const std::string& name, const char* why,
+                        std::vector<std::unique_ptr<Region>>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a session; releases its job when it was the last and the grace period is zero.
+  void RemoveSessionLocked(uint64_t session_id, const char* why,
+                           std::vector<std::unique_ptr<Region>>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static v1::RegionInfo Describe(const Region& r);
+
+  const RegistryOptions options_;
+  mutable absl::Mutex mu_;
+  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_region_id_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_job_instance_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tsd

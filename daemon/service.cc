@@ -1,0 +1,72 @@
+#include "daemon/service.h"
+
+#include <unistd.h>
+
+#include "daemon/version.h"
+#include "proto/status_convert.h"
+
+namespace tsd {
+
+using wire::ToGrpc;
+
+grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::AttachRequest* req, v1::AttachResponse* resp) {
+  auto grant = registry_.BeginAttach(req->job(), req->quota_bytes());
+  if (!grant.ok()) return ToGrpc(grant.status());
+  resp->mutable_session()->set_session_id(grant->session_id);
+  resp->mutable_session()->set_token(std::string(grant->token.begin(), grant->token.end()));
+  resp->set_side_socket(side_socket_);
+  resp->set_quota_bytes(grant->quota_bytes);
+  resp->set_hello_timeout_ms(
+      static_cast<uint32_t>(absl::ToInt64Milliseconds(registry_.options().hello_timeout)));
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::Detach(grpc::ServerContext*, const v1::DetachRequest* req, v1::DetachResponse* resp) {
+  auto released = registry_.Detach(req->session());
+  if (!released.ok()) return ToGrpc(released.status());
+  resp->set_job_released(*released);
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::Alloc(grpc::ServerContext*, const v1::AllocRequest* req, v1::AllocResponse* resp) {
+  auto info = registry_.Alloc(req->session(), req->name(), req->size_bytes());
+  if (!info.ok()) return ToGrpc(info.status());
+  *resp->mutable_region() = *info;
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::Free(grpc::ServerContext*, const v1::FreeRequest* req, v1::FreeResponse* resp) {
+  auto freed = registry_.Free(req->session(), req->region_id());
+  if (!freed.ok()) return ToGrpc(freed.status());
+  resp->set_freed_bytes(*freed);
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::ListRegions(grpc::ServerContext*, const v1::ListRegionsRequest* req,
+                                     v1::ListRegionsResponse* resp) {
+  auto regions = registry_.ListRegions(req->session());
+  if (!regions.ok()) return ToGrpc(regions.status());
+  for (auto& r : *regions) *resp->add_regions() = std::move(r);
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
+  const PoolSnapshot s = registry_.Snapshot();
+  resp->set_version(kVersion);
+  resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  resp->set_pool_bytes(s.pool_bytes);
+  resp->set_used_bytes(s.used_bytes);
+  resp->set_locked(locked_);
+  resp->set_jobs(s.jobs);
+  resp->set_sessions(s.sessions);
+  resp->set_max_job_quota_bytes(registry_.options().max_job_quota_bytes);
+  resp->set_pid(static_cast<uint32_t>(getpid()));
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*, v1::ListJobsResponse* resp) {
+  for (auto& j : registry_.Jobs()) *resp->add_jobs() = std::move(j);
+  return grpc::Status::OK;
+}
+
+}  // namespace tsd

@@ -1,0 +1,5 @@
+#include "daemon/version.h"
+
+namespace tsd {
+const char* const kVersion = TSD_VERSION;
+}  // namespace tsd

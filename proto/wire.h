@@ -1,0 +1,58 @@
+// Conventions shared by the daemon and its clients beyond the messages of tsd.proto: where the
+// sockets live, the limits of the side socket, and the helpers that move one datagram (with an
+// optional file descriptor) over it. Both sides use exactly these, so the contract is in one place.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tsd::wire {
+
+// The protocol version; bumped with every incompatible change to tsd.proto or this header.
+inline constexpr uint32_t kProtocolVersion = 1;
+// Largest datagram either side sends or accepts on the side socket.
+inline constexpr size_t kMaxSideMessageBytes = 64 * 1024;
+// Length of a session token.
+inline constexpr size_t kTokenBytes = 32;
+// Names of jobs and regions: 1..kMaxNameBytes characters of [A-Za-z0-9._:/-], not starting with
+// '/' or '.'.
+inline constexpr size_t kMaxNameBytes = 128;
+// Regions are charged and mapped in whole pages.
+inline constexpr uint64_t kPageBytes = 4096;
+
+// The default control socket: /run/tsd/tsd.sock for root, else $XDG_RUNTIME_DIR/tsd/tsd.sock,
+// else /tmp/tsd-$UID/tsd.sock.
+std::string DefaultSocketPath();
+// `explicit_path` when not empty, else $TSD_SOCKET when set, else DefaultSocketPath().
+std::string ResolveSocketPath(const std::string& explicit_path);
+// The side socket for a control socket: "x.sock" -> "x.fd.sock", anything else -> "<path>.fd".
+std::string SideSocketPath(const std::string& socket_path);
+// The lock file that keeps a second daemon off a live socket: "<socket>.lock".
+std::string LockFilePath(const std::string& socket_path);
+
+// Checks a job or region name; the error says what is allowed. `what` is "job" or "region".
+absl::Status ValidateName(const std::string& what, const std::string& name);
+
+// Sends one datagram on a SOCK_SEQPACKET socket, with `fd` attached as SCM_RIGHTS when >= 0.
+// Never blocks: a peer that does not read gets UNAVAILABLE.
+absl::Status SendDatagram(int sock, const std::string& bytes, int fd = -1);
+
+// One received datagram. `fd` is the first descriptor that came with it (or -1); any others are
+// closed. The caller owns `fd`.
+struct Datagram {
+  std::string bytes;
+  int fd = -1;
+  bool truncated = false;  // the peer sent more than kMaxSideMessageBytes
+};
+// Receives one datagram. The peer closing gives UNAVAILABLE; when `nonblocking` and nothing is
+// queued, returns an empty datagram and sets `*would_block`.
+absl::StatusOr<Datagram> ReceiveDatagram(int sock, bool nonblocking, bool* would_block = nullptr);
+
+// Human-readable byte counts for messages: "512 MiB", "1.50 GiB", "4096 B".
+std::string FormatBytes(uint64_t bytes);
+
+}  // namespace tsd::wire

@@ -1,0 +1,203 @@
+#include "daemon_process.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "proto/wire.h"
+
+namespace tsd::testing {
+
+bool WaitFor(const std::function<bool()>& pred, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return pred();
+}
+
+std::unique_ptr<DaemonProcess> DaemonProcess::Start(DaemonOptions options) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess);
+  char tmpl[] = "/tmp/tsdtest-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) {
+    ADD_FAILURE() << "mkdtemp: " << std::strerror(errno);
+    return nullptr;
+  }
+  d->dir_ = tmpl;
+  chmod(d->dir_.c_str(), 0755);  // other uids in the isolation test must reach the socket
+  d->socket_ = d->dir_ + "/tsd.sock";
+  std::vector<std::string> args = {TSD_BINARY, "--socket", d->socket_, "--log-level", "debug"};
+  args.insert(args.end(), options.args.begin(), options.args.end());
+  const std::string log = d->dir_ + "/tsd.log";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) dup2(fd, 2);
+    if (options.memlock_limit != 0) {
+      prctl(PR_CAPBSET_DROP, 14 /* CAP_IPC_LOCK */, 0, 0, 0);
+      rlimit rl{options.memlock_limit, options.memlock_limit};
+      setrlimit(RLIMIT_MEMLOCK, &rl);
+    }
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  d->pid_ = pid;
+  const bool up = WaitFor(
+      [&] {
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+          d->pid_ = -1;
+          return true;
+        }
+        return tsd::Client::Connect(d->socket_).ok();
+      },
+      10);
+  if (!up || d->pid_ < 0) {
+    ADD_FAILURE() << "tsd did not come up; its log:\n" << d->log();
+    return nullptr;
+  }
+  return d;
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  if (!dir_.empty() && !::testing::Test::HasFailure()) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+}
+
+std::string DaemonProcess::side_socket() const { return wire::SideSocketPath(socket_); }
+
+std::string DaemonProcess::log() const {
+  std::ifstream f(dir_ + "/tsd.log");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int DaemonProcess::Stop(int sig, double* seconds) {
+  if (pid_ <= 0) return -1;
+  const auto t0 = std::chrono::steady_clock::now();
+  kill(pid_, sig);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  pid_ = -1;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+int DaemonProcess::OpenFds() const {
+  int n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/proc/" + std::to_string(pid_) + "/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+std::unique_ptr<tsd::Client> DaemonProcess::Connect() const {
+  auto c = tsd::Client::Connect(socket_);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+RawSession::RawSession(const std::string& socket) : socket_(socket) {
+  channel_ = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
+  stub_ = v1::Tsd::NewStub(channel_);
+}
+
+RawSession::~RawSession() {
+  if (side_fd_ >= 0) close(side_fd_);
+}
+
+grpc::Status RawSession::Attach(const std::string& job, uint64_t quota, v1::AttachResponse* out) {
+  v1::AttachRequest req;
+  req.set_job(job);
+  req.set_quota_bytes(quota);
+  grpc::ClientContext ctx;
+  return stub_->Attach(&ctx, req, out);
+}
+
+int RawSession::ConnectSide() {
+  if (side_fd_ >= 0) close(side_fd_);
+  side_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string side = wire::SideSocketPath(socket_);
+  std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+  EXPECT_EQ(connect(side_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  return side_fd_;
+}
+
+v1::SideReply RawSession::SendRaw(const std::string& bytes, bool* closed, int* fd_out) {
+  v1::SideReply reply;
+  if (closed) *closed = false;
+  EXPECT_TRUE(wire::SendDatagram(side_fd_, bytes).ok());
+  pollfd p{side_fd_, POLLIN, 0};
+  EXPECT_EQ(poll(&p, 1, 5000), 1) << "no reply from tsd within 5 s";
+  auto d = wire::ReceiveDatagram(side_fd_, false);
+  if (!d.ok()) {
+    if (closed) *closed = true;
+    return reply;
+  }
+  EXPECT_TRUE(reply.ParseFromString(d->bytes));
+  if (fd_out) {
+    *fd_out = d->fd;
+  } else if (d->fd >= 0) {
+    close(d->fd);
+  }
+  if (closed) {
+    // The daemon may close right after an error reply: peek for EOF briefly.
+    pollfd q{side_fd_, POLLIN, 0};
+    if (poll(&q, 1, 200) == 1) {
+      char c;
+      *closed = recv(side_fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    }
+  }
+  return reply;
+}
+
+v1::SideReply RawSession::Hello(const v1::SessionRef& ref) {
+  v1::SideRequest req;
+  *req.mutable_hello()->mutable_session() = ref;
+  return SendRaw(req.SerializeAsString(), nullptr);
+}
+
+v1::SessionRef RawSession::Open(const std::string& job, uint64_t quota) {
+  v1::AttachResponse resp;
+  grpc::Status s = Attach(job, quota, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  ConnectSide();
+  v1::SideReply r = Hello(resp.session());
+  EXPECT_EQ(r.code(), 0) << r.message();
+  return resp.session();
+}
+
+}  // namespace tsd::testing

@@ -1,0 +1,135 @@
+// tsd_test_client: a client process for the multi-process tests, started with fork+exec so that no
+// gRPC state ever crosses a fork. Modes:
+//   alloc-loop SOCKET JOB
+//       attach, print "attached", then allocate and write regions without end (the test kills it)
+//   intruder SOCKET JOB SESSION_ID TOKEN_HEX UID GID
+//       drop to UID/GID, then try every way into JOB's memory; print one "name=code" line each and
+//       "fds_received=N"; exit 0
+#include <grp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "proto/tsd.pb.h"
+#include "proto/wire.h"
+#include "tsd/client.h"
+
+namespace {
+
+int fds_received = 0;
+
+int SideConnect(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string side = tsd::wire::SideSocketPath(path);
+  std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    std::printf("side_connect_errno=%d\n", errno);
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Sends a request and returns the reply's code (-1: connection closed without a reply).
+int Exchange(int fd, const tsd::v1::SideRequest& req) {
+  if (!tsd::wire::SendDatagram(fd, req.SerializeAsString()).ok()) return -1;
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 5000) != 1) return -2;
+  auto d = tsd::wire::ReceiveDatagram(fd, false);
+  if (!d.ok()) return -1;
+  if (d->fd >= 0) {
+    ++fds_received;
+    close(d->fd);
+  }
+  tsd::v1::SideReply reply;
+  if (!reply.ParseFromString(d->bytes)) return -3;
+  return reply.code();
+}
+
+std::string FromHex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  return out;
+}
+
+int Intruder(char** argv) {
+  const std::string socket = argv[2], job = argv[3];
+  const uint64_t session_id = std::stoull(argv[4]);
+  const std::string token = FromHex(argv[5]);
+  const uid_t uid = static_cast<uid_t>(std::stoul(argv[6]));
+  const gid_t gid = static_cast<gid_t>(std::stoul(argv[7]));
+  if (setgroups(1, &gid) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
+    std::printf("drop_privileges_failed errno=%d\n", errno);
+    return 3;
+  }
+  std::printf("uid=%u\n", getuid());
+  // 1. The ordinary way: attach to the job by name.
+  auto client = tsd::Client::Connect(socket);
+  if (!client.ok()) {
+    std::printf("connect=%d\n", static_cast<int>(client.status().code()));
+  } else {
+    absl::Status s = (*client)->Attach(job);
+    std::printf("attach=%d\n", static_cast<int>(s.code()));
+    std::printf("attach_message=%s\n", std::string(s.message()).c_str());
+  }
+  // 2. A stolen token of the job's session, presented on the side socket.
+  tsd::v1::SideRequest hello;
+  hello.mutable_hello()->mutable_session()->set_session_id(session_id);
+  hello.mutable_hello()->mutable_session()->set_token(token);
+  int fd = SideConnect(socket);
+  std::printf("stolen_hello=%d\n", fd < 0 ? -1 : Exchange(fd, hello));
+  if (fd >= 0) close(fd);
+  // 3. Asking for descriptors without any hello.
+  fd = SideConnect(socket);
+  for (uint64_t region = 1; region <= 4 && fd >= 0; ++region) {
+    tsd::v1::SideRequest get;
+    get.mutable_get_fd()->set_region_id(region);
+    std::printf("getfd_without_hello_%llu=%d\n", static_cast<unsigned long long>(region), Exchange(fd, get));
+  }
+  if (fd >= 0) close(fd);
+  // 4. A made-up token.
+  hello.mutable_hello()->mutable_session()->set_token(std::string(tsd::wire::kTokenBytes, 'x'));
+  fd = SideConnect(socket);
+  std::printf("madeup_hello=%d\n", fd < 0 ? -1 : Exchange(fd, hello));
+  if (fd >= 0) close(fd);
+  std::printf("fds_received=%d\n", fds_received);
+  return 0;
+}
+
+int AllocLoop(char** argv) {
+  auto client = tsd::Client::Connect(argv[2]);
+  if (!client.ok()) return 3;
+  if (!(*client)->Attach(argv[3], 64ull << 20).ok()) return 4;
+  std::printf("attached\n");
+  std::fflush(stdout);
+  std::vector<std::shared_ptr<tsd::Region>> held;
+  for (uint64_t i = 0;; ++i) {
+    auto r = (*client)->Alloc("r" + std::to_string(i), (1ull << 20) + (i % 7) * 4096);
+    if (r.ok()) {
+      std::memset((*r)->data(), 0xA5, (*r)->size());
+      held.push_back(*r);
+    } else {
+      for (auto& h : held) (void)(*client)->Free(h);
+      held.clear();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "alloc-loop" && argc == 4) return AllocLoop(argv);
+  if (mode == "intruder" && argc == 8) return Intruder(argv);
+  std::fprintf(stderr, "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB SESSION TOKEN UID GID\n");
+  return 2;
+}
