@@ -50,6 +50,9 @@ class DaemonProcess {
   std::string socket_;
 };
 
+// Runs a shell command; returns its stdout and sets *rc to its exit code.
+std::string RunCommand(const std::string& cmd, int* rc = nullptr);
+
 // Polls `pred` every 10 ms for up to `seconds`; true once it holds.
 bool WaitFor(const std::function<bool()>& pred, double seconds);
 
