@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every test: builds (scripts/build.sh) and runs the C++ suites with ctest, then the Python
+# suites with pytest from .venv/. Run scripts/setup.sh once first.
+#   scripts/test.sh                                   the plain build in build/
+#   scripts/test.sh --sanitize address,undefined      the C++ suites in an ASan+UBSan build
+#   scripts/test.sh --sanitize thread                 ... in a TSan build
+set -euo pipefail
+cd "$(dirname "$0")/.."
+san=""
+if [ "${1:-}" = "--sanitize" ]; then san=$2; fi
+
+if [ -n "$san" ]; then
+  dir="build-${san//,/-}"
+  scripts/build.sh -B "$dir" -DTSD_SANITIZE="$san" -DTSD_WITH_CUDA=OFF -DTSD_BUILD_BENCH=OFF
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+  (cd "$dir" && ctest --output-on-failure -j2 --timeout 300)
+  exit 0
+fi
+
+scripts/build.sh
+(cd build && ctest --output-on-failure -j2 --timeout 300)
+if ls tests/python/test_*.py >/dev/null 2>&1; then
+  .venv/bin/python -m pytest -q tests/python
+fi
