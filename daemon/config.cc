@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -15,6 +16,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/version.h"
 #include "proto/wire.h"
 
@@ -40,8 +42,26 @@ absl::Status ReadToml(const std::string& path, Config& c) {
       {"max_job_quota", &c.max_job_quota},
       {"orphan_grace", &c.orphan_grace},
       {"log_level", &c.log_level},
+      {"metrics_listen", &c.metrics_listen},
   };
   for (const auto& [key, node] : table) {
+    if (key.str() == "optimizer_threads") {
+      const auto* i = node.as_integer();
+      if (i == nullptr || i->get() < 0 || i->get() > 4096) {
+        return absl::InvalidArgumentError(absl::StrCat("config file ", path,
+                                                       ": 'optimizer_threads' must be an integer in [0, 4096]"));
+      }
+      c.optimizer_threads = static_cast<int>(i->get());
+      continue;
+    }
+    if (key.str() == "pin_optimizer_threads") {
+      const auto* b = node.as_boolean();
+      if (b == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": 'pin_optimizer_threads' must be true or false"));
+      }
+      c.pin_optimizer_threads = b->get();
+      continue;
+    }
     bool known = false;
     for (const auto& [name, field] : strings) {
       if (std::string(key.str()) != name) continue;
@@ -56,15 +76,49 @@ absl::Status ReadToml(const std::string& path, Config& c) {
       }
     }
     if (!known) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config file ", path, ": unknown setting '", std::string(key.str()),
-          "'; known are socket, socket_group, pool_size, max_job_quota, orphan_grace, log_level"));
+      std::vector<std::string> names;
+      for (const auto& [name, field] : strings) names.push_back(name);
+      return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown setting '",
+                                                     std::string(key.str()), "'; known are ",
+                                                     absl::StrJoin(names, ", ")));
     }
   }
   return absl::OkStatus();
 }
 
+// "HOST:PORT" or "[IPv6]:PORT", or empty (off). The host is not resolved here; a name that does
+// not resolve fails when the daemon starts listening.
+absl::Status ValidateListenAddress(const std::string& address) {
+  if (address.empty()) return absl::OkStatus();
+  const size_t colon = address.rfind(':');
+  const std::string hint = "write HOST:PORT, e.g. 127.0.0.1:9464 or [::1]:9464, or \"\" to turn it off";
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("'", address, "' has no host and port; ", hint));
+  }
+  const std::string host = address.substr(0, colon);
+  if (host.find(':') != std::string::npos && (host.front() != '[' || host.back() != ']')) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "': an IPv6 address goes in brackets; ", hint));
+  }
+  int port = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' has no valid port (0-65535); ", hint));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+std::string DefaultDaemonSocketPath() {
+  // systemd sets RUNTIME_DIRECTORY for RuntimeDirectory=tsd (a colon-separated list when the
+  // unit names several; the first is ours).
+  if (const char* dir = std::getenv("RUNTIME_DIRECTORY"); dir != nullptr && dir[0] == '/') {
+    const std::string first = std::string(dir).substr(0, std::string(dir).find(':'));
+    return absl::StrCat(first, "/tsd.sock");
+  }
+  return wire::DefaultSocketPath();
+}
 
 uint64_t PhysicalMemoryBytes() {
   struct sysinfo info {};
@@ -163,6 +217,17 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
                                  "keep a job's memory this long after its last session died (default 0s)");
   auto* o_log = app.add_option("--log-level", flags.log_level,
                                "trace, debug, info, warn, error, critical or off (default info)");
+  // The last --metrics-listen wins, so a wrapper can turn the endpoint off by default and a
+  // caller can still name a port after it.
+  auto* o_metrics = app.add_option("--metrics-listen", flags.metrics_listen,
+                                   "serve Prometheus metrics at http://HOST:PORT/metrics "
+                                   "(default 127.0.0.1:9464; \"\" turns it off)")
+                        ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  auto* o_threads = app.add_option("--optimizer-threads", flags.optimizer_threads,
+                                   "optimizer worker threads (default 0: every CPU the daemon may use)")
+                        ->check(CLI::Range(0, 4096));
+  auto* o_pin = app.add_flag("--pin-optimizer-threads", flags.pin_optimizer_threads,
+                             "pin each optimizer worker to one CPU");
   app.add_flag("--print-config", print_config, "print the effective configuration as TOML and exit");
   try {
     app.parse(argc, argv);
@@ -190,8 +255,12 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (*o_quota) c.max_job_quota = flags.max_job_quota;
   if (*o_grace) c.orphan_grace = flags.orphan_grace;
   if (*o_log) c.log_level = flags.log_level;
+  if (*o_threads) c.optimizer_threads = flags.optimizer_threads;
+  if (*o_pin) c.pin_optimizer_threads = flags.pin_optimizer_threads;
+  if (*o_metrics) c.metrics_listen = flags.metrics_listen;
+  c.args.assign(argv, argv + argc);
 
-  if (c.socket.empty()) c.socket = wire::DefaultSocketPath();
+  if (c.socket.empty()) c.socket = DefaultDaemonSocketPath();
   auto pool = ParseSize(c.pool_size, PhysicalMemoryBytes());
   if (!pool.ok()) return absl::InvalidArgumentError(absl::StrCat("pool_size: ", pool.status().message()));
   if (*pool < wire::kPageBytes) {
@@ -211,9 +280,20 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
     return absl::InvalidArgumentError(absl::StrCat(
         "log_level '", c.log_level, "' is not one of trace, debug, info, warn, error, critical, off"));
   }
+  if (absl::Status s = ValidateListenAddress(c.metrics_listen); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("metrics_listen: ", s.message()));
+  }
   out.config = c;
   out.action = print_config ? Action::kPrintConfig : Action::kRun;
   return out;
+}
+
+absl::StatusOr<LoadedConfig> LoadConfig(const std::vector<std::string>& args) {
+  std::vector<std::string> copy = args;
+  if (copy.empty()) copy.push_back("tsd");
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  return LoadConfig(static_cast<int>(argv.size()), argv.data());
 }
 
 std::string ConfigToToml(const Config& c) {
@@ -224,6 +304,9 @@ std::string ConfigToToml(const Config& c) {
       {"max_job_quota", c.max_job_quota},
       {"orphan_grace", c.orphan_grace},
       {"log_level", c.log_level},
+      {"metrics_listen", c.metrics_listen},
+      {"optimizer_threads", c.optimizer_threads},
+      {"pin_optimizer_threads", c.pin_optimizer_threads},
   };
   std::ostringstream os;
   os << "# effective tsd configuration"

@@ -19,7 +19,13 @@ struct Config {
   std::string max_job_quota = "100%"; // as given; a share is of the pool
   std::string orphan_grace = "0s";    // how long a job without live sessions keeps its memory
   std::string log_level = "info";     // trace, debug, info, warn, error, critical, off
+  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus endpoint "host:port"; empty = off
+  int optimizer_threads = 0;          // optimizer worker threads; 0 = every CPU the daemon may use
+  bool pin_optimizer_threads = false; // pin worker i to the i-th allowed CPU
   std::string config_path;            // the file that was read, or empty
+  // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
+  // flags keep winning over the file that is re-read.
+  std::vector<std::string> args;
 
   // Resolved values, filled by LoadConfig.
   uint64_t pool_bytes = 0;
@@ -39,6 +45,13 @@ struct LoadedConfig {
 // Parses argv (CLI11), reads the TOML file, applies flags over it and resolves sizes. A bad flag
 // or file gives an error that names it; --help and --version give Action::kExit.
 absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv);
+// The same, from a saved command line (Config::args): what a reload runs.
+absl::StatusOr<LoadedConfig> LoadConfig(const std::vector<std::string>& args);
+
+// The socket a daemon uses when none is configured: $RUNTIME_DIRECTORY/tsd.sock when systemd
+// gave the service a RuntimeDirectory=, else wire::DefaultSocketPath() (/run/tsd/tsd.sock as
+// root, else under $XDG_RUNTIME_DIR or /tmp).
+std::string DefaultDaemonSocketPath();
 
 // Renders the effective configuration as TOML (what --print-config prints).
 std::string ConfigToToml(const Config& config);

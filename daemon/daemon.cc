@@ -1,6 +1,7 @@
 #include "daemon/daemon.h"
 
 #include <grp.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,7 +16,11 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/instance_lock.h"
 #include "daemon/memlock.h"
+#include "daemon/metrics.h"
+#include "daemon/notify.h"
+#include "daemon/optimizer/worker_pool.h"
 #include "daemon/registry.h"
+#include "daemon/reload.h"
 #include "daemon/service.h"
 #include "daemon/side_server.h"
 #include "daemon/version.h"
@@ -54,9 +59,30 @@ absl::Status PrepareSocketDir(const std::string& socket_path, gid_t gid) {
   return absl::OkStatus();
 }
 
-int Fail(const absl::Status& s) {
+int Fail(const absl::Status& s, const SystemdNotifier& notifier) {
   spdlog::critical("event=start_failed error=\"{}\"", std::string(s.message()));
+  (void)notifier.Status(absl::StrCat("failed to start: ", s.message()));
   return 1;
+}
+
+void LogNotifyError(const absl::Status& s) {
+  if (!s.ok()) spdlog::warn("event=notify_failed error=\"{}\"", std::string(s.message()));
+}
+
+// SIGHUP: reload the configuration, all or nothing, and tell systemd how it went.
+void Reload(Reloader& reloader, const SystemdNotifier& notifier) {
+  LogNotifyError(notifier.Reloading());
+  spdlog::info("event=reload_requested config={}",
+               reloader.current().config_path.empty() ? "(none)" : reloader.current().config_path);
+  auto changes = reloader.Reload();
+  if (changes.ok()) {
+    spdlog::info("event=reloaded changes=\"{}\"", *changes);
+    LogNotifyError(notifier.Ready(absl::StrCat("serving; reloaded: ", *changes)));
+  } else {
+    spdlog::error("event=reload_refused error=\"{}\"", std::string(changes.status().message()));
+    LogNotifyError(
+        notifier.Ready(absl::StrCat("serving; reload refused: ", changes.status().message())));
+  }
 }
 
 }  // namespace
@@ -71,6 +97,8 @@ int RunDaemon(const Config& config) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  const SystemdNotifier notifier = SystemdNotifier::FromEnvironment();
+  auto Fail = [&notifier](const absl::Status& s) { return ::tsd::Fail(s, notifier); };
   const std::string& socket_path = config.socket;
   auto gid = LookupGroup(config.socket_group);
   if (!gid.ok()) return Fail(gid.status());
@@ -90,7 +118,22 @@ int RunDaemon(const Config& config) {
   options.max_job_quota_bytes = config.max_job_quota_bytes;
   options.lock_memory = memlock.can_lock;
   options.orphan_grace = config.orphan_grace_duration;
+  int threads = config.optimizer_threads;
+  if (threads == 0) {
+    cpu_set_t allowed;
+    threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
+  }
+  WorkerPool pool(threads, config.pin_optimizer_threads);
+  options.pool = &pool;
+  options.isa = kernels::BestIsa();
+  spdlog::info("event=optimizer_engine threads={} pinned={} isa={}", threads, config.pin_optimizer_threads,
+               kernels::IsaName(options.isa));
   Registry registry(options);
+  Metrics metrics(registry);
+  if (!config.metrics_listen.empty()) {
+    if (absl::Status s = metrics.Listen(config.metrics_listen); !s.ok()) return Fail(s);
+  }
+  Reloader reloader(config, registry, memlock.can_lock);
 
   const std::string side_path = wire::SideSocketPath(socket_path);
   SideServer side(registry);
@@ -111,19 +154,26 @@ int RunDaemon(const Config& config) {
                                                          std::strerror(errno))));
   }
   side.Start();
+  const std::string metrics_at =
+      config.metrics_listen.empty() ? "off" : absl::StrCat(config.metrics_listen, " (port ", metrics.port(), ")");
   spdlog::info("event=ready version={} socket={} side_socket={} pool_bytes={} max_job_quota_bytes={} "
-               "locked={} orphan_grace={} pid={}",
+               "locked={} orphan_grace={} metrics={} pid={}",
                kVersion, socket_path, side_path, config.pool_bytes, config.max_job_quota_bytes,
-               memlock.can_lock, absl::FormatDuration(config.orphan_grace_duration), getpid());
+               memlock.can_lock, absl::FormatDuration(config.orphan_grace_duration), metrics_at,
+               getpid());
+  // Both sockets listen and the gRPC server runs: calls are accepted from now on.
+  LogNotifyError(notifier.Ready(absl::StrCat("serving ", wire::FormatBytes(config.pool_bytes),
+                                             " on ", socket_path)));
 
   for (;;) {
     int sig = 0;
     if (sigwait(&signals, &sig) != 0) continue;
     if (sig == SIGHUP) {
-      spdlog::warn("event=sighup_ignored reason=\"live reload is not supported yet; restart tsd\"");
+      Reload(reloader, notifier);
       continue;
     }
     spdlog::info("event=stopping signal={}", strsignal(sig));
+    LogNotifyError(notifier.Stopping());
     break;
   }
   // Stop taking calls (in-flight ones get at most 500 ms), tell clients, release everything.

@@ -169,6 +169,15 @@ std::string Registry::HoldersLocked() const {
 absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const std::string& name,
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
+  if (name.rfind("opt/", 0) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("region name '", name, "': names starting with 'opt/' are "
+                                                   "reserved for the optimizer engine"));
+  }
+  return AllocInternal(ref, name, size_bytes);
+}
+
+absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref, const std::string& name,
+                                                       uint64_t size_bytes) {
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
   {
@@ -216,7 +225,7 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const 
 
   auto region = Region::Create(region_id, name, bytes, options_.lock_memory);
 
-  std::unique_ptr<Region> dead;  // destroyed after the lock is dropped
+  std::shared_ptr<Region> dead;  // destroyed after the lock is dropped
   absl::MutexLock lock(&mu_);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end() || job->second.instance != instance) {
@@ -240,7 +249,7 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const 
 }
 
 absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t region_id) {
-  std::unique_ptr<Region> dead;
+  std::shared_ptr<Region> dead;
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -248,6 +257,10 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
     auto it = job.regions.find(region_id);
+    if (it != job.regions.end() && job.optimizer && it->second->name().rfind("opt/", 0) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("region '", it->second->name(),
+                                                        "' belongs to the job's optimizer; it is freed with the job"));
+    }
     if (it == job.regions.end()) {
       return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '", job.name,
                                               "' (it holds ", job.regions.size(), " regions; see ListRegions)"));
@@ -294,12 +307,13 @@ absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id
 }
 
 void Registry::ReleaseJobLocked(const std::string& name, const char* why,
-                                std::vector<std::unique_ptr<Region>>& dead) {
+                                Released& dead) {
   auto it = jobs_.find(name);
   if (it == jobs_.end()) return;
   Job& job = it->second;
   for (uint64_t sid : job.sessions) sessions_.erase(sid);
-  for (auto& [id, r] : job.regions) dead.push_back(std::move(r));
+  if (job.optimizer) dead.optimizers.push_back(std::move(job.optimizer));
+  for (auto& [id, r] : job.regions) dead.regions.push_back(std::move(r));
   used_bytes_ -= job.used_bytes;
   spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
                job.used_bytes, job.regions.size(), why);
@@ -307,7 +321,7 @@ void Registry::ReleaseJobLocked(const std::string& name, const char* why,
 }
 
 void Registry::RemoveSessionLocked(uint64_t session_id, const char* why,
-                                   std::vector<std::unique_ptr<Region>>& dead) {
+                                   Released& dead) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
   const bool live = it->second.live;
@@ -327,7 +341,7 @@ void Registry::RemoveSessionLocked(uint64_t session_id, const char* why,
 }
 
 absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
-  std::vector<std::unique_ptr<Region>> dead;
+  Released dead;
   absl::MutexLock lock(&mu_);
   auto session = LiveSession(ref);
   if (!session.ok()) return session.status();
@@ -338,13 +352,13 @@ absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
 }
 
 void Registry::SessionDisconnected(uint64_t session_id) {
-  std::vector<std::unique_ptr<Region>> dead;  // declared first: destroyed after the lock is dropped
+  Released dead;  // declared first: destroyed after the lock is dropped
   absl::MutexLock lock(&mu_);
   RemoveSessionLocked(session_id, "disconnected", dead);
 }
 
 void Registry::Sweep(absl::Time now) {
-  std::vector<std::unique_ptr<Region>> dead;
+  Released dead;
   absl::MutexLock lock(&mu_);
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (!it->second.live && now >= it->second.hello_deadline) {
@@ -354,6 +368,13 @@ void Registry::Sweep(absl::Time now) {
       ++it;
     }
   }
+  std::vector<uint64_t> failed_sessions;
+  for (const auto& [name, job] : jobs_) {
+    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0) {
+      failed_sessions.push_back(job.optimizer_session);
+    }
+  }
+  for (uint64_t sid : failed_sessions) RemoveSessionLocked(sid, "optimizer_failed", dead);
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
     if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace) orphans.push_back(name);
@@ -362,7 +383,7 @@ void Registry::Sweep(absl::Time now) {
 }
 
 void Registry::ReleaseAll() {
-  std::vector<std::unique_ptr<Region>> dead;
+  Released dead;
   absl::MutexLock lock(&mu_);
   std::vector<std::string> names;
   for (const auto& [name, job] : jobs_) names.push_back(name);
@@ -397,3 +418,142 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 }
 
 }  // namespace tsd
+
+namespace tsd {
+
+absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const v1::RegisterOptimizerRequest& req) {
+  if (options_.pool == nullptr) return absl::InternalError("this daemon runs without an optimizer engine");
+  auto plan = JobOptimizer::Plan(req, options_.pool_bytes);
+  if (!plan.ok()) return plan.status();
+  {
+    absl::MutexLock lock(&mu_);
+    auto session = LiveSession(req.session());
+    if (!session.ok()) return session.status();
+    const Job& job = jobs_.at((*session)->job);
+    if (job.optimizer) {
+      return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
+    }
+    const uint64_t need = plan->total_bytes();
+    if (job.used_bytes + need > job.quota_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the optimizer state needs ", FormatBytes(need), " but job '", job.name, "' has ",
+          FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
+          " quota free; attach with a larger quota or use bf16 moments"));
+    }
+  }
+  // Allocate each region; on any failure free what was made, so nothing changes.
+  const std::pair<const char*, uint64_t> wanted[] = {
+      {"opt/control", plan->control_bytes}, {"opt/master", plan->master_bytes},
+      {"opt/exp_avg", plan->moment_bytes},  {"opt/exp_avg_sq", plan->moment_bytes},
+      {"opt/grads", plan->grad_bytes},      {"opt/params", plan->param_bytes},
+      {"opt/accum", plan->accum_bytes}};
+  std::vector<uint64_t> made;
+  auto undo = [&](absl::Status why) {
+    for (uint64_t id : made) (void)Free(req.session(), id);
+    return why;
+  };
+  for (const auto& [name, bytes] : wanted) {
+    if (bytes == 0) continue;
+    auto info = AllocInternal(req.session(), name, bytes);
+    if (!info.ok()) {
+      if (info.status().code() == absl::StatusCode::kAlreadyExists) {
+        return undo(absl::AlreadyExistsError("another optimizer registration of this job is in progress"));
+      }
+      return undo(info.status());
+    }
+    made.push_back(info->region_id());
+  }
+  Released dead;
+  absl::MutexLock lock(&mu_);
+  auto session = LiveSession(req.session());
+  if (!session.ok()) return session.status();
+  Job& job = jobs_.at((*session)->job);
+  OptimizerRegions regions;
+  std::shared_ptr<Region>* slots[] = {&regions.control, &regions.master, &regions.exp_avg, &regions.exp_avg_sq,
+                                      &regions.grads,   &regions.params, &regions.accum};
+  for (size_t i = 0, m = 0; i < std::size(wanted); ++i) {
+    if (wanted[i].second == 0) continue;
+    auto it = job.regions.find(made[m++]);
+    if (it == job.regions.end()) return absl::NotFoundError("an optimizer region vanished during registration");
+    *slots[i] = it->second;
+  }
+  auto optimizer = std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool, options_.isa);
+  optimizer->Start();
+  job.optimizer = optimizer;
+  job.optimizer_session = req.session().session_id();
+  v1::RegisterOptimizerResponse resp;
+  for (const auto& b : plan->buckets) {
+    auto* l = resp.add_buckets();
+    l->set_master_offset(b.master_offset);
+    l->set_grad_offset(b.grad_offset);
+    l->set_param_offset(b.param_offset);
+  }
+  resp.set_state_bytes(plan->total_bytes());
+  resp.set_isa(kernels::IsaName(options_.isa));
+  resp.set_threads(static_cast<uint32_t>(options_.pool->threads()));
+  spdlog::info("event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} accumulate={}",
+               job.name, plan->buckets.size(), plan->groups.size(), plan->total_bytes(), kernels::IsaName(options_.isa),
+               plan->max_grad_norm, plan->accumulate);
+  return resp;
+}
+
+absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end() || !it->second.live) {
+    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
+  }
+  const Job& job = jobs_.at(it->second.job);
+  if (!job.optimizer) return absl::NotFoundError(absl::StrCat("job '", job.name, "' has no optimizer; register one first"));
+  return job.optimizer;
+}
+
+}  // namespace tsd
+
+// --- Live reload and metrics (daemon/reload.cc, daemon/metrics.cc) -----------------------------
+namespace tsd {
+
+RegistryOptions Registry::options() const {
+  absl::MutexLock lock(&mu_);
+  return options_;
+}
+
+absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
+                                   absl::Duration orphan_grace) {
+  absl::MutexLock lock(&mu_);
+  if (pool_bytes < used_bytes_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the new pool of ", FormatBytes(pool_bytes), " is smaller than the ", FormatBytes(used_bytes_),
+        " jobs hold now (", HoldersLocked(), "); free memory first or keep a pool of at least ",
+        FormatBytes(used_bytes_)));
+  }
+  options_.pool_bytes = pool_bytes;
+  options_.max_job_quota_bytes = std::min(max_job_quota_bytes, pool_bytes);
+  options_.orphan_grace = orphan_grace;
+  return absl::OkStatus();
+}
+
+Registry::MetricsView Registry::View() const {
+  absl::MutexLock lock(&mu_);
+  MetricsView v;
+  v.pool.pool_bytes = options_.pool_bytes;
+  v.pool.used_bytes = used_bytes_;
+  v.pool.jobs = static_cast<uint32_t>(jobs_.size());
+  for (const auto& [id, session] : sessions_) v.pool.sessions += session.live ? 1 : 0;
+  v.max_job_quota_bytes = options_.max_job_quota_bytes;
+  for (const auto& [name, job] : jobs_) {
+    for (const auto& [id, region] : job.regions) v.locked_bytes += region->locked() ? region->bytes() : 0;
+    v1::JobInfo info;
+    info.set_name(name);
+    info.set_uid(job.uid);
+    info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
+    info.set_used_bytes(job.used_bytes);
+    info.set_quota_bytes(job.quota_bytes);
+    info.set_regions(static_cast<uint32_t>(job.regions.size()));
+    v.jobs.push_back(std::move(info));
+  }
+  return v;
+}
+
+}  // namespace tsd
+// --- end of live reload and metrics --------------------------------------------------------------

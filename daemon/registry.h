@@ -26,6 +26,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/optimizer/job_optimizer.h"
+#include "daemon/optimizer/worker_pool.h"
 #include "daemon/region.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
@@ -43,6 +45,8 @@ struct RegistryOptions {
   size_t max_regions_per_job = 65536;
   size_t max_pending = 4096;
   size_t max_jobs = 4096;
+  WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
+  kernels::Isa isa = kernels::Isa::kScalar;
 };
 
 struct AttachGrant {
@@ -84,6 +88,11 @@ class Registry final {
   absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(const v1::SessionRef& ref);
   // Ends a session on request; true when its job was released with it.
   absl::StatusOr<bool> Detach(const v1::SessionRef& ref);
+  // Sets up the job's optimizer (see JobOptimizer): allocates its regions (charged to the job's
+  // quota), starts it, and returns the layout. All or nothing.
+  absl::StatusOr<v1::RegisterOptimizerResponse> RegisterOptimizer(const v1::RegisterOptimizerRequest& request);
+  // The optimizer of a live session's job (NOT_FOUND when there is none).
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerOf(uint64_t session_id);
   // For a live session (already bound to its side connection): a dup of a region's memfd.
   absl::StatusOr<RegionFd> GetFd(uint64_t session_id, uint64_t region_id);
   // The session's side connection closed (the process exited or was killed).
@@ -95,7 +104,24 @@ class Registry final {
 
   PoolSnapshot Snapshot() const;
   std::vector<v1::JobInfo> Jobs() const;
-  const RegistryOptions& options() const { return options_; }
+
+  // --- Live reload and metrics (daemon/reload.cc, daemon/metrics.cc) ---------------------------
+  // A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change (Reconfigure).
+  RegistryOptions options() const;
+  // Applies a reloaded configuration, all or nothing. A pool smaller than what jobs hold now is
+  // refused (the message says how much is held, and by whom) and nothing changes. Jobs keep the
+  // quotas they were granted; `max_job_quota_bytes` caps jobs created from now on.
+  absl::Status Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
+                           absl::Duration orphan_grace);
+  // Everything the metrics endpoint shows, taken under one lock so its figures agree.
+  struct MetricsView {
+    PoolSnapshot pool;
+    uint64_t max_job_quota_bytes = 0;
+    uint64_t locked_bytes = 0;  // bytes of committed regions that are mlock()ed
+    std::vector<v1::JobInfo> jobs;
+  };
+  MetricsView View() const;
+  // --- end of live reload and metrics ----------------------------------------------------------
 
  private:
   struct Session {
@@ -114,25 +140,36 @@ class Registry final {
     uid_t uid = 0;
     uint64_t quota_bytes = 0;
     uint64_t used_bytes = 0;  // committed regions plus allocations in flight
-    std::map<uint64_t, std::unique_ptr<Region>> regions;
+    std::map<uint64_t, std::shared_ptr<Region>> regions;
     std::set<std::string> names;  // of regions, including allocations in flight
     std::set<uint64_t> sessions;
     std::optional<absl::Time> orphaned_since;
+    std::shared_ptr<JobOptimizer> optimizer;
+    uint64_t optimizer_session = 0;  // the session that registered it (closed if it fails)
+  };
+  // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their
+  // threads), then the regions they worked in.
+  struct Released {
+    std::vector<std::shared_ptr<Region>> regions;
+    std::vector<std::shared_ptr<JobOptimizer>> optimizers;
+    ~Released() { optimizers.clear(); }
   };
 
   // Finds the live session `ref` names, checking its token. Needs mu_.
   absl::StatusOr<Session*> LiveSession(const v1::SessionRef& ref) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
   // the lock is dropped.
-  void ReleaseJobLocked(const std::string& name, const char* why,
-                        std::vector<std::unique_ptr<Region>>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseJobLocked(const std::string& name, const char* why, Released& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; releases its job when it was the last and the grace period is zero.
-  void RemoveSessionLocked(uint64_t session_id, const char* why,
-                           std::vector<std::unique_ptr<Region>>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
+  absl::StatusOr<v1::RegionInfo> AllocInternal(const v1::SessionRef& ref, const std::string& name, uint64_t size_bytes);
   std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
 
-  const RegistryOptions options_;
+  // Fixed at construction, except pool_bytes, max_job_quota_bytes and orphan_grace, which
+  // Reconfigure changes under mu_ (read them under mu_ too).
+  RegistryOptions options_;
   mutable absl::Mutex mu_;
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;

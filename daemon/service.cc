@@ -69,4 +69,12 @@ grpc::Status TsdService::ListJobs(grpc::ServerContext*, const v1::ListJobsReques
   return grpc::Status::OK;
 }
 
+grpc::Status TsdService::RegisterOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest* req,
+                                           v1::RegisterOptimizerResponse* resp) {
+  auto r = registry_.RegisterOptimizer(*req);
+  if (!r.ok()) return ToGrpc(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
 }  // namespace tsd

@@ -171,11 +171,8 @@ void SideServer::HandleReadable(Conn& conn) {
       return;
     }
     if (would_block) return;
-    if (dgram->fd >= 0) {
-      close(dgram->fd);  // clients have no business sending descriptors to the daemon
-      spdlog::warn("event=unexpected_fd uid={} pid={} session={}", conn.uid, conn.pid, conn.session_id);
-    }
     if (dgram->truncated) {
+      if (dgram->fd >= 0) close(dgram->fd);
       ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
                            "side message larger than ", wire::kMaxSideMessageBytes, " bytes")));
       if (conn.session_id == 0) {
@@ -184,16 +181,31 @@ void SideServer::HandleReadable(Conn& conn) {
       }
       continue;
     }
-    if (!HandleMessage(conn, dgram->bytes)) {
+    if (!HandleMessage(conn, dgram->bytes, dgram->fd)) {
       CloseConn(fd, "protocol_error");
       return;
     }
   }
 }
 
-bool SideServer::HandleMessage(Conn& conn, const std::string& bytes) {
+bool SideServer::HandleMessage(Conn& conn, const std::string& bytes, int fd) {
   v1::SideRequest req;
-  if (bytes.empty() || !req.ParseFromString(bytes) || req.kind_case() == v1::SideRequest::KIND_NOT_SET) {
+  const bool parsed = !bytes.empty() && req.ParseFromString(bytes);
+  // Only state requests carry a descriptor; any other is closed unread, so no client can make the
+  // daemon hold descriptors.
+  const bool wants_fd = parsed && (req.has_save_state() || req.has_load_state());
+  if (fd >= 0 && !wants_fd) {
+    close(fd);
+    fd = -1;
+    spdlog::warn("event=unexpected_fd uid={} pid={} session={}", conn.uid, conn.pid, conn.session_id);
+  }
+  struct FdCloser {
+    int fd;
+    ~FdCloser() {
+      if (fd >= 0) close(fd);
+    }
+  } closer{fd};
+  if (!parsed || req.kind_case() == v1::SideRequest::KIND_NOT_SET) {
     ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
                          "side message of ", bytes.size(),
                          " bytes is not a valid tsd.v1.SideRequest (expected hello or get_fd)")));
@@ -225,10 +237,25 @@ bool SideServer::HandleMessage(Conn& conn, const std::string& bytes) {
     Reply(conn, reply);
     return true;
   }
-  // get_fd
   if (conn.session_id == 0) {
     ReplyError(conn, absl::FailedPreconditionError("send a hello with your session first"));
     return false;
+  }
+  if (req.has_save_state() || req.has_load_state()) {
+    auto optimizer = registry_.OptimizerOf(conn.session_id);
+    if (!optimizer.ok()) {
+      ReplyError(conn, optimizer.status());
+      return true;
+    }
+    auto bytes_moved = req.has_save_state() ? (*optimizer)->SaveState(fd) : (*optimizer)->LoadState(fd);
+    if (!bytes_moved.ok()) {
+      ReplyError(conn, bytes_moved.status());
+      return true;
+    }
+    v1::SideReply reply;
+    reply.mutable_state()->set_bytes(*bytes_moved);
+    Reply(conn, reply);
+    return true;
   }
   auto region = registry_.GetFd(conn.session_id, req.get_fd().region_id());
   if (!region.ok()) {

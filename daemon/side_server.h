@@ -51,8 +51,9 @@ class SideServer final {
   void Loop();
   void AcceptAll();
   void HandleReadable(Conn& conn);
-  // Handles one datagram; returns false when the connection must be closed.
-  bool HandleMessage(Conn& conn, const std::string& bytes);
+  // Handles one datagram (and owns `fd`, a descriptor that came with it, or -1); returns false
+  // when the connection must be closed.
+  bool HandleMessage(Conn& conn, const std::string& bytes, int fd);
   void Reply(Conn& conn, const v1::SideReply& reply, int fd = -1);
   void ReplyError(Conn& conn, const absl::Status& status);
   void CloseConn(int fd, const char* why);

@@ -1,5 +1,7 @@
 #include "tsd/client.h"
 
+#include "tsd/optimizer.h"
+
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -377,6 +379,106 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
     out.push_back({j.name(), j.uid(), j.sessions(), j.used_bytes(), j.quota_bytes(), j.regions()});
   }
   return out;
+}
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const OptimizerSpec& spec) {
+  v1::RegisterOptimizerRequest req;
+  for (const auto& g : spec.groups) {
+    auto* p = req.add_groups();
+    p->set_lr(g.lr);
+    p->set_beta1(g.beta1);
+    p->set_beta2(g.beta2);
+    p->set_eps(g.eps);
+    p->set_weight_decay(g.weight_decay);
+    p->set_amsgrad(spec.amsgrad);
+    p->set_maximize(spec.maximize);
+  }
+  for (const auto& b : spec.buckets) {
+    auto* p = req.add_buckets();
+    p->set_group(b.group);
+    p->set_numel(b.numel);
+    p->set_grad_dtype(static_cast<v1::DType>(b.grad_dtype));
+    p->set_param_dtype(static_cast<v1::DType>(b.param_dtype));
+  }
+  req.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));
+  req.set_max_grad_norm(spec.max_grad_norm);
+  req.set_accumulate(spec.accumulate);
+  req.set_seed(spec.seed);
+  v1::RegisterOptimizerResponse resp;
+  {
+    absl::MutexLock lock(&impl_->mu);
+    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job before registering an optimizer");
+    *req.mutable_session() = impl_->session;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
+    grpc::Status s = impl_->stub->RegisterOptimizer(&ctx, req, &resp);
+    if (!s.ok()) return impl_->Explain(s, socket_path_);
+  }
+  std::unique_ptr<Optimizer> opt(new Optimizer);
+  opt->client_ = this;
+  opt->groups_ = spec.groups.size();
+  opt->isa_ = resp.isa();
+  opt->threads_ = resp.threads();
+  opt->state_bytes_ = resp.state_bytes();
+  for (int b = 0; b < resp.buckets_size(); ++b) {
+    Optimizer::Bucket bk;
+    bk.numel = spec.buckets[static_cast<size_t>(b)].numel;
+    bk.grad_dtype = spec.buckets[static_cast<size_t>(b)].grad_dtype;
+    bk.param_dtype = spec.buckets[static_cast<size_t>(b)].param_dtype;
+    bk.master_offset = resp.buckets(b).master_offset();
+    bk.grad_offset = resp.buckets(b).grad_offset();
+    bk.param_offset = resp.buckets(b).param_offset();
+    opt->buckets_.push_back(bk);
+  }
+  const std::pair<const char*, std::shared_ptr<Region>*> maps[] = {
+      {"opt/control", &opt->control_}, {"opt/master", &opt->master_},
+      {"opt/grads", &opt->grads_},     {"opt/params", &opt->params_}};
+  for (const auto& [name, slot] : maps) {
+    auto r = Map(name);
+    if (!r.ok()) return r.status();
+    *slot = *r;
+  }
+  return opt;
+}
+
+absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
+  absl::MutexLock lock(&impl_->mu);
+  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+  v1::SideRequest req;
+  if (save) {
+    req.mutable_save_state();
+  } else {
+    req.mutable_load_state();
+  }
+  std::string bytes;
+  req.SerializeToString(&bytes);
+  if (absl::Status s = wire::SendDatagram(impl_->side_fd, bytes, fd); !s.ok()) return s;
+  auto reply = impl_->ReadSide();
+  if (!reply.ok()) return reply.status();
+  if (reply->second >= 0) close(reply->second);
+  return reply->first.state().bytes();
+}
+
+bool Client::DaemonAlive(std::string* why) {
+  absl::MutexLock lock(&impl_->mu);
+  if (impl_->side_fd < 0) {
+    *why = "this client is not attached to tsd";
+    return false;
+  }
+  pollfd p{impl_->side_fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLIN))) {
+    impl_->PollNotice();
+    if (!impl_->notice.empty()) {
+      *why = impl_->notice;
+      return false;
+    }
+    if (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) {
+      *why = absl::StrCat("tsd at ", socket_path_, " closed this session (the daemon exited or was killed); ",
+                          "restart it and attach again");
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace tsd

@@ -1,7 +1,21 @@
 // tsctl: inspect a running tsd. `tsctl status` shows the pool, `tsctl jobs` the jobs on it;
-// `--json` prints machine-readable output with stable keys.
+// `--json` prints machine-readable output with stable keys. `tsctl top` is a live per-job view
+// that redraws in place, like top(1).
+#include <poll.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <iostream>
+#include <map>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -55,6 +69,218 @@ int PrintJobs(tsd::Client& client, bool json) {
   return 0;
 }
 
+// --- tsctl top ---------------------------------------------------------------------------------
+
+// What `tsctl top` shows and how often.
+struct TopOptions {
+  double interval_s = 1.0;
+  int iterations = 0;        // frames to draw, 0 = until 'q' or Ctrl-C
+  std::string sort = "used";  // used, quota, name, sessions, rate
+  bool batch = false;         // plain frames one after another (also when stdout is no terminal)
+};
+
+volatile sig_atomic_t top_stop = 0;
+void OnTopSignal(int) { top_stop = 1; }
+
+// The terminal while `top` runs interactively: the alternate screen, no cursor, and keys read
+// one at a time without echo. Everything is restored on destruction.
+class TopTerminal {
+ public:
+  explicit TopTerminal(bool interactive) : interactive_(interactive) {
+    if (!interactive_) return;
+    if (isatty(STDIN_FILENO) && tcgetattr(STDIN_FILENO, &saved_) == 0) {
+      termios raw = saved_;
+      raw.c_lflag &= ~static_cast<tcflag_t>(ICANON | ECHO);
+      raw.c_cc[VMIN] = 0;
+      raw.c_cc[VTIME] = 0;
+      raw_ = tcsetattr(STDIN_FILENO, TCSANOW, &raw) == 0;
+    }
+    std::fputs("\x1b[?1049h\x1b[?25l", stdout);  // alternate screen, hide the cursor
+    std::fflush(stdout);
+  }
+  ~TopTerminal() {
+    if (!interactive_) return;
+    std::fputs("\x1b[?25h\x1b[?1049l", stdout);
+    std::fflush(stdout);
+    if (raw_) tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+  }
+  // Rows and columns (24x80 when unknown).
+  static std::pair<int, int> Size() {
+    winsize ws{};
+    if (ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0 && ws.ws_row > 0 && ws.ws_col > 0) {
+      return {ws.ws_row, ws.ws_col};
+    }
+    return {24, 80};
+  }
+  // Waits up to `seconds` for a key; returns it, or 0 on timeout or a signal.
+  char WaitKey(double seconds) const {
+    pollfd p{raw_ ? STDIN_FILENO : -1, POLLIN, 0};
+    const int n = poll(&p, 1, static_cast<int>(seconds * 1000));
+    char c = 0;
+    if (n == 1 && (p.revents & POLLIN) && read(STDIN_FILENO, &c, 1) == 1) return c;
+    return 0;
+  }
+
+ private:
+  const bool interactive_;
+  termios saved_{};
+  bool raw_ = false;
+};
+
+std::string FormatUptime(double seconds) {
+  const long s = static_cast<long>(seconds);
+  char buf[64];
+  if (s >= 86400) {
+    std::snprintf(buf, sizeof(buf), "%ldd%02ldh%02ldm", s / 86400, s % 86400 / 3600, s % 3600 / 60);
+  } else if (s >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%ldh%02ldm%02lds", s / 3600, s % 3600 / 60, s % 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%ldm%02lds", s / 60, s % 60);
+  }
+  return buf;
+}
+
+// A signed byte rate for the RATE column: "+12.0 MiB/s", "-512 KiB/s", "0".
+std::string FormatRate(double bytes_per_s) {
+  if (std::fabs(bytes_per_s) < 0.5) return "0";
+  std::string r = tsd::wire::FormatBytes(static_cast<uint64_t>(std::fabs(bytes_per_s))) + "/s";
+  return (bytes_per_s < 0 ? "-" : "+") + r;
+}
+
+// One frame: the header and one row per job. `rates` is each job's change of used bytes per
+// second since the previous frame.
+std::vector<std::string> TopFrame(const std::string& socket, const tsd::PoolStatus& s,
+                                  std::vector<tsd::JobStatus> jobs,
+                                  const std::map<std::string, double>& rates,
+                                  const std::string& sort) {
+  std::sort(jobs.begin(), jobs.end(), [&](const tsd::JobStatus& a, const tsd::JobStatus& b) {
+    auto rate = [&](const tsd::JobStatus& j) {
+      auto it = rates.find(j.name);
+      return it == rates.end() ? 0.0 : it->second;
+    };
+    if (sort == "name") return a.name < b.name;
+    if (sort == "quota" && a.quota_bytes != b.quota_bytes) return a.quota_bytes > b.quota_bytes;
+    if (sort == "sessions" && a.sessions != b.sessions) return a.sessions > b.sessions;
+    if (sort == "rate" && rate(a) != rate(b)) return rate(a) > rate(b);
+    if (a.used_bytes != b.used_bytes) return a.used_bytes > b.used_bytes;
+    return a.name < b.name;
+  });
+  std::vector<std::string> out;
+  char line[512];
+  const std::time_t now = std::time(nullptr);
+  char clock[16];
+  std::strftime(clock, sizeof(clock), "%H:%M:%S", std::localtime(&now));
+  std::snprintf(line, sizeof(line), "tsd %s (pid %u) at %s, up %s, %s", s.version.c_str(), s.pid,
+                socket.c_str(), FormatUptime(s.uptime_s).c_str(), clock);
+  out.push_back(line);
+  const double pct = s.pool_bytes ? 100.0 * static_cast<double>(s.used_bytes) / s.pool_bytes : 0;
+  std::snprintf(line, sizeof(line), "pool: %s used of %s (%.1f%%), %s, %s free; max job quota %s",
+                tsd::wire::FormatBytes(s.used_bytes).c_str(), tsd::wire::FormatBytes(s.pool_bytes).c_str(),
+                pct, s.locked ? "locked" : "NOT locked",
+                tsd::wire::FormatBytes(s.pool_bytes - std::min(s.used_bytes, s.pool_bytes)).c_str(),
+                tsd::wire::FormatBytes(s.max_job_quota_bytes).c_str());
+  out.push_back(line);
+  std::snprintf(line, sizeof(line), "jobs: %u, sessions: %u; sorted by %s", s.jobs, s.sessions,
+                sort.c_str());
+  out.push_back(line);
+  out.push_back("");
+  std::snprintf(line, sizeof(line), "%-32s %7s %5s %7s %12s %12s %6s %6s %13s", "JOB", "UID", "SESS",
+                "REGIONS", "USED", "QUOTA", "%QUOTA", "%POOL", "RATE");
+  out.push_back(line);
+  for (const auto& j : jobs) {
+    auto rate = rates.find(j.name);
+    std::snprintf(line, sizeof(line), "%-32s %7u %5u %7u %12s %12s %6.1f %6.1f %13s", j.name.c_str(), j.uid,
+                  j.sessions, j.regions, tsd::wire::FormatBytes(j.used_bytes).c_str(),
+                  tsd::wire::FormatBytes(j.quota_bytes).c_str(),
+                  j.quota_bytes ? 100.0 * static_cast<double>(j.used_bytes) / j.quota_bytes : 0.0,
+                  s.pool_bytes ? 100.0 * static_cast<double>(j.used_bytes) / s.pool_bytes : 0.0,
+                  FormatRate(rate == rates.end() ? 0.0 : rate->second).c_str());
+    out.push_back(line);
+  }
+  if (jobs.empty()) out.push_back("(no jobs)");
+  return out;
+}
+
+int RunTop(tsd::Client& client, TopOptions o) {
+  const bool interactive = !o.batch && isatty(STDOUT_FILENO);
+  struct sigaction sa {};
+  sa.sa_handler = OnTopSignal;  // no SA_RESTART: the wait between frames ends at once
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  TopTerminal term(interactive);
+  static const char* kSorts[] = {"used", "quota", "name", "sessions", "rate"};
+  std::map<std::string, uint64_t> last_used;
+  auto last_time = std::chrono::steady_clock::now();
+  int rc = 0;
+  for (int frame = 0; !top_stop && (o.iterations == 0 || frame < o.iterations); ++frame) {
+    if (frame > 0) {
+      // Wait for the next frame; keys: q quits, s cycles the sort order.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.interval_s);
+      bool redraw = false;
+      while (!top_stop && !redraw) {
+        const double left = std::chrono::duration<double>(until - std::chrono::steady_clock::now()).count();
+        if (left <= 0) break;
+        const char key = interactive ? term.WaitKey(left) : 0;
+        if (!interactive) poll(nullptr, 0, static_cast<int>(left * 1000));
+        if (key == 'q' || key == 'Q') top_stop = 1;
+        if (key == 's') {
+          auto* it = std::find(std::begin(kSorts), std::end(kSorts), o.sort);
+          o.sort = (it == std::end(kSorts) || it + 1 == std::end(kSorts)) ? kSorts[0] : *(it + 1);
+          redraw = true;
+        }
+      }
+      if (top_stop) break;
+    }
+    std::vector<std::string> lines;
+    auto status = client.Status();
+    auto jobs = status.ok() ? client.Jobs() : absl::StatusOr<std::vector<tsd::JobStatus>>(status.status());
+    const auto now = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(now - last_time).count();
+    if (status.ok() && jobs.ok()) {
+      std::map<std::string, double> rates;
+      std::map<std::string, uint64_t> used;
+      for (const auto& j : *jobs) {
+        used[j.name] = j.used_bytes;
+        auto prev = last_used.find(j.name);
+        if (prev != last_used.end() && dt > 0) {
+          rates[j.name] = (static_cast<double>(j.used_bytes) - static_cast<double>(prev->second)) / dt;
+        }
+      }
+      last_used = std::move(used);
+      last_time = now;
+      lines = TopFrame(client.socket_path(), *status, *jobs, rates, o.sort);
+    } else {
+      const absl::Status err = status.ok() ? jobs.status() : status.status();
+      if (!interactive) {
+        std::cerr << "tsctl: " << err.message() << "\n";
+        return 1;
+      }
+      lines = {"tsctl top: " + std::string(err.message()), "", "retrying every interval; q quits"};
+      rc = 1;
+    }
+    if (!interactive) {
+      for (const auto& l : lines) std::printf("%s\n", l.c_str());
+      std::printf("\n");
+      std::fflush(stdout);
+      continue;
+    }
+    rc = status.ok() && jobs.ok() ? 0 : rc;
+    const auto [rows, cols] = TopTerminal::Size();
+    std::string out = "\x1b[H";  // home; each line is cleared to its end, then the rest below
+    for (int i = 0; i < static_cast<int>(lines.size()) && i < rows - 1; ++i) {
+      std::string l = lines[i].substr(0, static_cast<size_t>(cols));
+      if (i == 4) l = "\x1b[7m" + l + std::string(static_cast<size_t>(cols) - l.size(), ' ') + "\x1b[0m";
+      out += l + "\x1b[K\n";
+    }
+    const int hidden = static_cast<int>(lines.size()) - (rows - 1);
+    if (hidden > 0) out += "(" + std::to_string(hidden) + " more jobs)\x1b[K";
+    out += "\x1b[J";
+    std::fputs(out.c_str(), stdout);
+    std::fflush(stdout);
+  }
+  return rc;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,6 +294,17 @@ int main(int argc, char** argv) {
                    "one JSON object: version, uptime, pool_bytes, used_bytes, locked, jobs, sessions");
   auto* jobs = app.add_subcommand("jobs", "every job: name, uid, sessions, used and quota bytes");
   jobs->add_flag("--json", jobs_json, "a JSON array of {name, uid, sessions, used_bytes, quota_bytes}");
+  TopOptions top_options;
+  auto* top = app.add_subcommand(
+      "top", "a live view of the pool and every job, redrawn in place (q quits, s changes the sort)");
+  top->add_option("-d,--interval", top_options.interval_s, "seconds between frames (default 1)")
+      ->check(CLI::Range(0.05, 3600.0));
+  top->add_option("-n,--iterations", top_options.iterations, "frames to draw, then exit (default: until q)")
+      ->check(CLI::NonNegativeNumber);
+  top->add_option("--sort", top_options.sort, "order of jobs: used (default), quota, name, sessions, rate")
+      ->check(CLI::IsMember({"used", "quota", "name", "sessions", "rate"}));
+  top->add_flag("-b,--batch", top_options.batch,
+                "print frames one after another instead of redrawing (the default when stdout is no terminal)");
   CLI11_PARSE(app, argc, argv);
 
   auto client = tsd::Client::Connect(socket);
@@ -76,5 +313,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (*status) return PrintStatus(**client, status_json);
+  if (*top) return RunTop(**client, top_options);
   return PrintJobs(**client, jobs_json);
 }

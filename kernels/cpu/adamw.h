@@ -14,9 +14,12 @@
 //   denom = sqrt(v) / float(sqrt(1 - beta2^step)) + float(eps)
 //   p     = p + (float(-lr / (1 - beta1^step)) * m) / denom  (addcdiv_: (value * t1) / t2)
 //
-// The bias corrections are computed in double exactly as Python does. This was checked against
-// torch 2.11 on an AVX-512 CPU (also forced to AVX2): identical bits for p, exp_avg and exp_avg_sq.
-// (PyTorch's portable "DEFAULT" CPU build does not fuse; it differs by rounding only.)
+// The bias corrections are computed in double exactly as Python does. Checked against torch 2.11
+// (CPU capability AVX512 and AVX2, 12 steps, 4.8M element-steps): exp_avg and exp_avg_sq are
+// bit-identical; p is bit-identical once torch's own sqrt is used in the formula. Here sqrt is
+// IEEE (correctly rounded); torch's CPU sqrt goes through MKL VML, which is 1 ulp off for ~0.6%
+// of inputs, and that changes p by 1 ulp in ~2e-5 of element-steps. PyTorch's portable
+// "DEFAULT" CPU capability does not fuse the lerp/addcmul and so differs by rounding only.
 // All ISA paths (scalar, AVX2, AVX-512) produce identical bits; the scalar path uses std::fma.
 // NaN/Inf in gradients propagate as IEEE arithmetic of the formula does.
 //
@@ -78,14 +81,14 @@ struct AdamWHyper {
 struct AdamWTensors {
   const void* grad = nullptr;  // gradients: fp32, bf16 or fp16
   DType grad_dtype = DType::kF32;
-  float* master = nullptr;  // fp32 master weights, updated in place
-  void* exp_avg = nullptr;  // first moment, updated in place
-  void* exp_avg_sq = nullptr;  // second moment, updated in place
+  float* master = nullptr;           // fp32 master weights, updated in place
+  void* exp_avg = nullptr;           // first moment, updated in place
+  void* exp_avg_sq = nullptr;        // second moment, updated in place
   DType moment_dtype = DType::kF32;  // kF32 or kBF16 (bf16 is stored with stochastic rounding)
-  void* param_out = nullptr;  // nullptr: no copy; else master converted (RNE) to param_dtype
-  DType param_dtype = DType::kBF16;
-  int64_t n = 0;         // number of elements (<= 0: nothing is done)
-  uint64_t sr_seed = 0;  // seed for the stochastic rounding of bf16 moments
+  void* param_out = nullptr;         // nullptr: no copy; else master converted (RNE) to param_dtype
+  DType param_dtype = DType::kF32;
+  int64_t n = 0;          // number of elements (<= 0: nothing is done)
+  uint64_t sr_seed = 0;   // seed for the stochastic rounding of bf16 moments
   int64_t sr_offset = 0;  // element index of master[0] within the whole bucket, so results do not
                           // depend on how a bucket is split among threads
 };
@@ -111,15 +114,15 @@ namespace detail {
 
 // The float scalars of one step, derived from AdamWHyper as PyTorch derives them.
 struct AdamWCoeffs {
-  float decay = 1;          // float(1 - lr * weight_decay)
-  float lerp_weight = 0;    // w = float(1 - beta1)
-  bool lerp_small = true;   // |w| < 0.5: m = fma(w, g - m, m); else m = fma(w - 1, g - m, g)
-  float lerp_coef = 0;      // w when lerp_small, else w - 1
-  float beta2 = 0;          // float(beta2)
+  float decay = 1;            // float(1 - lr * weight_decay)
+  float lerp_weight = 0;      // w = float(1 - beta1)
+  bool lerp_small = true;     // |w| < 0.5: m = fma(w, g - m, m); else m = fma(w - 1, g - m, g)
+  float lerp_coef = 0;        // w when lerp_small, else w - 1
+  float beta2 = 0;            // float(beta2)
   float one_minus_beta2 = 0;  // float(1 - beta2)
-  float bc2_sqrt = 1;       // float(sqrt(1 - beta2^step)), the sqrt as Python's ** 0.5
-  float eps = 0;            // float(eps)
-  float neg_step_size = 0;  // float(-(lr / (1 - beta1^step)))
+  float bc2_sqrt = 1;         // float(sqrt(1 - beta2^step)), the sqrt as Python's ** 0.5
+  float eps = 0;              // float(eps)
+  float neg_step_size = 0;    // float(-(lr / (1 - beta1^step)))
   float grad_scale = 1;
   bool scale_grad = false;  // grad_scale != 1
   // Stochastic-rounding keys (SrKey) of the 2^32-index block the current range lies in.

@@ -32,8 +32,8 @@ struct VecCoeffs {
         eps(_mm256_set1_ps(c.eps)),
         neg_step_size(_mm256_set1_ps(c.neg_step_size)),
         grad_scale(_mm256_set1_ps(c.grad_scale)),
-        key_exp_avg(_mm256_set1_epi32(static_cast<int>(c.key_exp_avg))),
-        key_exp_avg_sq(_mm256_set1_epi32(static_cast<int>(c.key_exp_avg_sq))),
+        key_exp_avg(_mm256_set1_epi32(static_cast<int>(SrKeyFolded(c.key_exp_avg)))),
+        key_exp_avg_sq(_mm256_set1_epi32(static_cast<int>(SrKeyFolded(c.key_exp_avg_sq)))),
         iota(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
         lerp_small(c.lerp_small),
         scale_grad(c.scale_grad) {}
@@ -71,14 +71,14 @@ TSD_INLINE __m128i Pack16(__m256i x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 }
 
-// SrMix of sr_hash.h, lane-wise.
-TSD_INLINE __m256i SrMix8(__m256i key, __m256i index) {
-  __m256i x = _mm256_xor_si256(index, key);
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+// Low 16 bits of SrMix of sr_hash.h, lane-wise, zero-extended. `folded` is
+// index ^ (index >> 16), `key` is SrKeyFolded(key) broadcast.
+TSD_INLINE __m256i SrRandom8(__m256i folded, __m256i key) {
+  __m256i x = _mm256_xor_si256(folded, key);
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kSrMul1)));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kSrMul2)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  return _mm256_srli_epi32(x, 16);
 }
 
 // Replaces NaN lanes of the 32-bit-lane bf16 result `r` by the quiet NaN of x.
@@ -88,11 +88,10 @@ TSD_INLINE __m256i FixNan(__m256 x, __m256i bits, __m256i r) {
   return _mm256_blendv_epi8(r, q, nan);
 }
 
-// F32ToBf16Sr of bf16.h, lane-wise; `random` supplies its low 16 bits.
-TSD_INLINE __m128i F32ToBf16Sr8(__m256 x, __m256i random) {
+// F32ToBf16Sr of bf16.h, lane-wise; `random16` < 2^16.
+TSD_INLINE __m128i F32ToBf16Sr8(__m256 x, __m256i random16) {
   const __m256i bits = _mm256_castps_si256(x);
-  const __m256i rnd = _mm256_and_si256(random, _mm256_set1_epi32(0xFFFF));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, rnd), 16);
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, random16), 16);
   return Pack16(FixNan(x, bits, r));
 }
 
@@ -128,8 +127,9 @@ TSD_INLINE void Step8(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t idx
     _mm256_storeu_ps(static_cast<float*>(b.exp_avg_sq) + i, v);
   } else {
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(idx0)), c.iota);
-    StoreU16x8(b.exp_avg, i, F32ToBf16Sr8(m, SrMix8(c.key_exp_avg, index)));
-    StoreU16x8(b.exp_avg_sq, i, F32ToBf16Sr8(v, SrMix8(c.key_exp_avg_sq, index)));
+    const __m256i folded = _mm256_xor_si256(index, _mm256_srli_epi32(index, 16));
+    StoreU16x8(b.exp_avg, i, F32ToBf16Sr8(m, SrRandom8(folded, c.key_exp_avg)));
+    StoreU16x8(b.exp_avg_sq, i, F32ToBf16Sr8(v, SrRandom8(folded, c.key_exp_avg_sq)));
   }
   if constexpr (P == POut::kF32) {
     _mm256_storeu_ps(static_cast<float*>(b.param_out) + i, p);

@@ -2,6 +2,7 @@
 // stores for the tail. Compiled with -mavx512f -mavx512bw -mavx512vl -mavx512bf16 -mavx2 -mfma
 // -mf16c -ffp-contract=off; only called when the CPU has AVX-512 F/BW/VL (AVX512_BF16 is used
 // only when detail::Avx512UseBf16Insn() says the CPU has it). Bit-identical to adamw_scalar.cc.
+
 // GCC 12 reports false "-Wmaybe-uninitialized" inside AVX-512 intrinsics that use
 // _mm512_undefined_* (GCC bug 105593); silence it for this file only.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -37,8 +38,8 @@ struct VecCoeffs {
         eps(_mm512_set1_ps(c.eps)),
         neg_step_size(_mm512_set1_ps(c.neg_step_size)),
         grad_scale(_mm512_set1_ps(c.grad_scale)),
-        key_exp_avg(_mm512_set1_epi32(static_cast<int>(c.key_exp_avg))),
-        key_exp_avg_sq(_mm512_set1_epi32(static_cast<int>(c.key_exp_avg_sq))),
+        key_exp_avg(_mm512_set1_epi32(static_cast<int>(SrKeyFolded(c.key_exp_avg)))),
+        key_exp_avg_sq(_mm512_set1_epi32(static_cast<int>(SrKeyFolded(c.key_exp_avg_sq)))),
         iota(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
         lerp_small(c.lerp_small),
         scale_grad(c.scale_grad) {}
@@ -104,14 +105,14 @@ TSD_INLINE __m512 LoadAsF32(const void* base, int64_t i, __mmask16 k) {
   }
 }
 
-// SrMix of sr_hash.h, lane-wise.
-TSD_INLINE __m512i SrMix16(__m512i key, __m512i index) {
-  __m512i x = _mm512_xor_si512(index, key);
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+// Low 16 bits of SrMix of sr_hash.h, lane-wise, zero-extended. `folded` is
+// index ^ (index >> 16), `key` is SrKeyFolded(key) broadcast.
+TSD_INLINE __m512i SrRandom16(__m512i folded, __m512i key) {
+  __m512i x = _mm512_xor_si512(folded, key);
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kSrMul1)));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kSrMul2)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  return _mm512_srli_epi32(x, 16);
 }
 
 // Quiet-NaN bf16 of each lane (used where the lane is NaN), in 32-bit lanes.
@@ -119,11 +120,10 @@ TSD_INLINE __m512i Bf16QuietNan(__m512i bits) {
   return _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
 }
 
-// F32ToBf16Sr of bf16.h, lane-wise; `random` supplies its low 16 bits.
-TSD_INLINE __m256i F32ToBf16Sr16(__m512 x, __m512i random) {
+// F32ToBf16Sr of bf16.h, lane-wise; `random16` < 2^16.
+TSD_INLINE __m256i F32ToBf16Sr16(__m512 x, __m512i random16) {
   const __m512i bits = _mm512_castps_si512(x);
-  const __m512i rnd = _mm512_and_si512(random, _mm512_set1_epi32(0xFFFF));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, rnd), 16);
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, random16), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, Bf16QuietNan(bits)));
 }
@@ -179,8 +179,9 @@ TSD_INLINE void Step16(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t id
     StoreF32<kMasked>(static_cast<float*>(b.exp_avg_sq) + i, v, k);
   } else {
     const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(idx0)), c.iota);
-    StoreU16<kMasked>(b.exp_avg, i, F32ToBf16Sr16(m, SrMix16(c.key_exp_avg, index)), k);
-    StoreU16<kMasked>(b.exp_avg_sq, i, F32ToBf16Sr16(v, SrMix16(c.key_exp_avg_sq, index)), k);
+    const __m512i folded = _mm512_xor_si512(index, _mm512_srli_epi32(index, 16));
+    StoreU16<kMasked>(b.exp_avg, i, F32ToBf16Sr16(m, SrRandom16(folded, c.key_exp_avg)), k);
+    StoreU16<kMasked>(b.exp_avg_sq, i, F32ToBf16Sr16(v, SrRandom16(folded, c.key_exp_avg_sq)), k);
   }
   if constexpr (P == POut::kF32) {
     StoreF32<kMasked>(static_cast<float*>(b.param_out) + i, p, k);

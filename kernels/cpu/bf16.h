@@ -19,7 +19,9 @@
 namespace tsd::kernels {
 
 // bf16 bits -> fp32 (exact).
-constexpr float Bf16ToF32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+constexpr float Bf16ToF32(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
 
 // True when the fp32 bit pattern `bits` is a NaN.
 constexpr bool F32BitsIsNan(uint32_t bits) { return (bits & 0x7FFFFFFFu) > 0x7F800000u; }

@@ -19,8 +19,8 @@ bool CpuHasAvx2() {
 
 bool CpuHasAvx512() {
   __builtin_cpu_init();
-  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return CpuHasAvx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 }
 
 bool CpuHasAvx512Bf16() {

@@ -5,11 +5,12 @@
 //   SrHash(seed, index, stream) = SrMix(SrKey(seed, index >> 32, stream), uint32_t(index))
 //
 // SrKey is a strong 64-bit mix (two SplitMix64 finalisers) evaluated once per call and per 2^32
-// block of indices; SrMix is a 32-bit integer hash (Wellons' "lowbias32" finaliser, a bijection of
-// uint32 with good avalanche) applied to index_lo ^ key, which needs only 32-bit lane operations
-// (xor, shift, 32-bit multiply), so the AVX2 and AVX-512 kernels compute exactly the same bits per
-// lane as this scalar code. Because the hash depends only on (seed, index, stream), the rounding
-// of an element does not depend on how a bucket is split among threads or on the ISA used.
+// block of indices; SrMix is a 32-bit integer hash (the rounds of Wellons' "lowbias32", a
+// bijection of uint32 with good avalanche) applied to index_lo ^ key, which needs only 32-bit lane
+// operations (xor, shift, 32-bit multiply), so the AVX2 and AVX-512 kernels compute exactly the
+// same bits per lane as this scalar code. Because the hash depends only on (seed, index, stream),
+// the rounding of an element does not depend on how a bucket is split among threads or on the ISA
+// used.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,9 @@ constexpr uint32_t SrKey(uint64_t seed, uint32_t index_hi, uint32_t stream) {
 }
 
 // 32-bit mix of the low index bits under `key`. The vector kernels implement this lane-wise.
+// The multiply-xorshift rounds are those of lowbias32; instead of its final x ^= x >> 16 the
+// result is rotated by 16, so that the low 16 bits (the ones stochastic rounding uses) are the
+// well-mixed high bits of the last product, which a vector kernel gets with a single shift.
 inline constexpr uint32_t kSrMul1 = 0x7FEB352Du;
 inline constexpr uint32_t kSrMul2 = 0x846CA68Bu;
 constexpr uint32_t SrMix(uint32_t key, uint32_t index_lo) {
@@ -43,9 +47,13 @@ constexpr uint32_t SrMix(uint32_t key, uint32_t index_lo) {
   x *= kSrMul1;
   x ^= x >> 15;
   x *= kSrMul2;
-  x ^= x >> 16;
-  return x;
+  return (x >> 16) | (x << 16);
 }
+
+// key ^ (key >> 16): with it, (index ^ key) ^ ((index ^ key) >> 16) becomes
+// index ^ (index >> 16) ^ SrKeyFolded(key), which lets vector code share index ^ (index >> 16)
+// between the two moments.
+constexpr uint32_t SrKeyFolded(uint32_t key) { return key ^ (key >> 16); }
 
 // The 32-bit random word for element `index` of the bucket and moment `stream`; stochastic
 // rounding uses its low 16 bits.

@@ -56,7 +56,10 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(DaemonOptions options) {
   d->dir_ = tmpl;
   chmod(d->dir_.c_str(), 0755);  // other uids in the isolation test must reach the socket
   d->socket_ = d->dir_ + "/tsd.sock";
-  std::vector<std::string> args = {TSD_BINARY, "--socket", d->socket_, "--log-level", "debug"};
+  // No metrics endpoint unless a test asks for one (a later --metrics-listen wins): daemons that
+  // run at once must not compete for the default port.
+  std::vector<std::string> args = {TSD_BINARY, "--socket", d->socket_, "--log-level", "debug",
+                                   "--metrics-listen", ""};
   args.insert(args.end(), options.args.begin(), options.args.end());
   const std::string log = d->dir_ + "/tsd.log";
   const pid_t pid = fork();

@@ -14,14 +14,19 @@
 //  * AccumulateGrad and SumSquares against simple loops.
 //
 // Built with -ffp-contract=off so that the fp32 transcription rounds where it says it does.
+// TSD_TEST_VERBOSE=1 prints, per dtype combination, the largest error/bound ratio of the
+// double-reference test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +36,10 @@
 #include "kernels/cpu/sr_hash.h"
 
 namespace tsd::kernels {
+
+// Readable ISA names in GoogleTest messages.
+void PrintTo(Isa isa, std::ostream* os) { *os << IsaName(isa); }
+
 namespace {
 
 constexpr double kU = 0x1p-24;  // unit roundoff of fp32 (half an ulp, relative)
@@ -206,7 +215,8 @@ uint32_t RoundedBits(DType d, float x) {
 }
 
 bool SameOrBothNan(float a, float b) {
-  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b) || (std::isnan(a) && std::isnan(b));
+  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b) ||
+         (std::isnan(a) && std::isnan(b));
 }
 
 // Distance in ulps between two floats of the same sign class (ordered-integer difference).
@@ -238,7 +248,8 @@ size_t CompareOutputs(const Problem& a, const Problem& b, const std::string& wha
       *max_ulp = std::max(*max_ulp, UlpDiff(a.master[i], b.master[i]));
     }
     auto cmp16 = [&](const char* field, const Buf& x, const Buf& y) {
-      if (x.Bits(i) != y.Bits(i) && !(x.IsNan(i) && y.IsNan(i))) report(field, i, x.Get(i), y.Get(i));
+      if (x.Bits(i) != y.Bits(i) && !(x.IsNan(i) && y.IsNan(i)))
+        report(field, i, x.Get(i), y.Get(i));
     };
     cmp16("exp_avg", a.exp_avg, b.exp_avg);
     cmp16("exp_avg_sq", a.exp_avg_sq, b.exp_avg_sq);
@@ -333,7 +344,8 @@ void RefStep(RefElem& e, double g, const TorchScalars& s) {
   const double q = (nss * m1) / den;
   const double pd = e.p * decay;
   const double p1 = pd + q;
-  const double em = std::fabs(1 - w) * e.em + std::fabs(w) * eg + kU * (std::fabs(w * d) + std::fabs(m1));
+  const double em =
+      std::fabs(1 - w) * e.em + std::fabs(w) * eg + kU * (std::fabs(w * d) + std::fabs(m1));
   const double ev = b2 * e.ev + 2 * c2 * std::fabs(g) * eg + 2 * kU * v1;
   const double es = (sq > 0 ? ev / (2 * sq) : std::sqrt(ev)) + kU * sq;
   const double eden = es / bc2s + kU * (sq / bc2s) + kU * den;
@@ -414,7 +426,8 @@ TEST(Bf16Conversions, RoundToNearestEvenMatchesOracle) {
       continue;
     }
     if (got != OracleBf16Rne(x) && ++bad <= 5) {
-      ADD_FAILURE() << std::hex << "x=0x" << b << " got 0x" << got << " want 0x" << OracleBf16Rne(x);
+      ADD_FAILURE() << std::hex << "x=0x" << b << " got 0x" << got << " want 0x"
+                    << OracleBf16Rne(x);
     }
   }
   EXPECT_EQ(bad, 0u);
@@ -428,7 +441,9 @@ TEST(Bf16Conversions, RoundToNearestEvenMatchesOracle) {
   for (uint32_t h = 0; h < 0x10000u; ++h) {  // bf16 -> f32 -> bf16 round trip
     const float x = Bf16ToF32(static_cast<uint16_t>(h));
     EXPECT_EQ(std::bit_cast<uint32_t>(x), h << 16);
-    if (!std::isnan(x)) { EXPECT_EQ(F32ToBf16Rne(x), h); }
+    if (!std::isnan(x)) {
+      EXPECT_EQ(F32ToBf16Rne(x), h);
+    }
   }
 }
 
@@ -531,10 +546,14 @@ TEST(Dispatch, NamesSupportAndOverride) {
   EXPECT_EQ(DTypeSize(DType::kF16), 2u);
   EXPECT_TRUE(IsaSupported(Isa::kScalar));
   EXPECT_TRUE(IsaSupported(BestIsa()));
-  if (IsaSupported(Isa::kAvx512)) { EXPECT_TRUE(IsaSupported(Isa::kAvx2)); }
+  if (IsaSupported(Isa::kAvx512)) {
+    EXPECT_TRUE(IsaSupported(Isa::kAvx2));
+  }
   const Isa best = detail::ResolveIsa(nullptr);
   EXPECT_TRUE(IsaSupported(best));
-  if (IsaSupported(Isa::kAvx512)) { EXPECT_EQ(best, Isa::kAvx512); }
+  if (IsaSupported(Isa::kAvx512)) {
+    EXPECT_EQ(best, Isa::kAvx512);
+  }
   EXPECT_EQ(detail::ResolveIsa("scalar"), Isa::kScalar);
   EXPECT_EQ(detail::ResolveIsa("avx2"), IsaSupported(Isa::kAvx2) ? Isa::kAvx2 : best);
   EXPECT_EQ(detail::ResolveIsa("avx512"), IsaSupported(Isa::kAvx512) ? Isa::kAvx512 : best);
@@ -648,8 +667,7 @@ TEST_P(AdamWIsaTest, MatchesDoubleReferenceMultiStep) {
           check("master", i, pr.master[i], r.p, 2 * r.ep);
           check("exp_avg", i, m, r.m,
                 2 * r.em + (bf16_moments ? Bf16Ulp(std::max(std::fabs(r.m), std::fabs(m))) : 0));
-          check("exp_avg_sq", i, v, r.v,
-                2 * r.ev + (bf16_moments ? Bf16Ulp(std::max(r.v, v)) : 0));
+          check("exp_avg_sq", i, v, r.v, 2 * r.ev + (bf16_moments ? Bf16Ulp(std::max(r.v, v)) : 0));
           if (combo.has_param && pr.param.Bits(i) != RoundedBits(combo.param, pr.master[i]) &&
               ++bad <= 5) {
             ADD_FAILURE() << "param[" << i << "] is not master rounded to nearest even";
@@ -658,7 +676,7 @@ TEST_P(AdamWIsaTest, MatchesDoubleReferenceMultiStep) {
       }
       EXPECT_EQ(bad, 0u) << what << " (worst error/bound " << worst << ")";
       EXPECT_LE(worst, 1.0);
-      if (getenv("TSD_TEST_VERBOSE")) printf("%s worst %.3g\n", what.c_str(), worst);
+      if (std::getenv("TSD_TEST_VERBOSE")) std::printf("%s worst %.3g\n", what.c_str(), worst);
     }
   }
 }
@@ -667,11 +685,15 @@ TEST_P(AdamWIsaTest, MatchesDoubleReferenceMultiStep) {
 // the fp32 transcription, plus what IEEE arithmetic of the formula implies.
 TEST_P(AdamWIsaTest, EdgeValues) {
   const float denorm = std::bit_cast<float>(0x00000345u);
-  const std::vector<float> grads = {0.0f, -0.0f, denorm, -std::numeric_limits<float>::denorm_min(),
-                                    1e30f, -1e30f, kNaN, -kNaN, kInf, -kInf, 1.0f, -3.0f,
-                                    65504.0f, 3e38f, 1e-8f, 0.5f, 0.0f};
-  const std::vector<float> masters = {0.0f, -0.0f, denorm, 1e-39f, 1.0f, -2.5f, 3e38f, 65520.0f,
-                                      -1e-30f, 7.0f, 1.0f + 0x1p-8f, 1.0f + 0x3p-8f, 0.1f};
+  const std::vector<float> grads = {
+      0.0f,     -0.0f,  denorm, -std::numeric_limits<float>::denorm_min(),
+      1e30f,    -1e30f, kNaN,   -kNaN,
+      kInf,     -kInf,  1.0f,   -3.0f,
+      65504.0f, 3e38f,  1e-8f,  0.5f,
+      0.0f};
+  const std::vector<float> masters = {0.0f,           -0.0f,          denorm,   1e-39f,  1.0f,
+                                      -2.5f,          3e38f,          65520.0f, -1e-30f, 7.0f,
+                                      1.0f + 0x1p-8f, 1.0f + 0x3p-8f, 0.1f};
   const std::vector<float> moments = {0.0f, denorm, 1e-30f, 0.25f, -0.5f, 1e-3f, 0.0f};
   for (const Combo& combo : AllCombos()) {
     const size_t n = 67;  // vector body plus a tail
@@ -698,9 +720,11 @@ TEST_P(AdamWIsaTest, EdgeValues) {
         EXPECT_TRUE(std::isnan(pr.master[i])) << i;
         EXPECT_TRUE(pr.exp_avg.IsNan(i)) << i;
         EXPECT_TRUE(pr.exp_avg_sq.IsNan(i)) << i;
-        if (combo.has_param) { EXPECT_TRUE(pr.param.IsNan(i)) << i; }
+        if (combo.has_param) {
+          EXPECT_TRUE(pr.param.IsNan(i)) << i;
+        }
       } else if (std::isinf(g)) {
-        EXPECT_EQ(pr.exp_avg.Get(i), g) << i;       // m + w (Inf - m) = Inf
+        EXPECT_EQ(pr.exp_avg.Get(i), g) << i;        // m + w (Inf - m) = Inf
         EXPECT_EQ(pr.exp_avg_sq.Get(i), kInf) << i;  // Inf stays Inf through SR
         EXPECT_TRUE(std::isnan(pr.master[i])) << i;  // Inf / Inf
       } else if (std::fabs(g) >= 1e30f) {
@@ -888,8 +912,8 @@ TEST_P(AdamWIsaTest, AccumulateGradMatchesLoop) {
                 std::bit_cast<uint32_t>(acc[i]) == std::bit_cast<uint32_t>(want_bits)) &&
               ++bad <= 5) {
             ADD_FAILURE() << DTypeName(d) << " n=" << n << " first=" << first << " [" << i
-                          << "] got 0x" << std::hex << std::bit_cast<uint32_t>(acc[i])
-                          << " want 0x" << std::bit_cast<uint32_t>(want_bits);
+                          << "] got 0x" << std::hex << std::bit_cast<uint32_t>(acc[i]) << " want 0x"
+                          << std::bit_cast<uint32_t>(want_bits);
           }
         }
         EXPECT_EQ(bad, 0u);

@@ -19,6 +19,7 @@
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
 #include "tsd/client.h"
+#include "tsd/optimizer.h"
 
 namespace {
 
@@ -123,6 +124,23 @@ int AllocLoop(char** argv) {
   }
 }
 
+// Registers a large optimizer and steps it without end (the test kills it mid-update).
+int OptimizerLoop(char** argv) {
+  auto client = tsd::Client::Connect(argv[2]);
+  if (!client.ok()) return 3;
+  if (!(*client)->Attach(argv[3]).ok()) return 4;
+  tsd::OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 16u << 20, tsd::DType::kBF16, tsd::DType::kBF16}};
+  auto opt = (*client)->RegisterOptimizer(spec);
+  if (!opt.ok()) return 5;
+  std::printf("registered\n");
+  std::fflush(stdout);
+  for (;;) {
+    if (!(*opt)->Ready(0).ok() || !(*opt)->Wait(0).ok()) return 6;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,6 +148,7 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "alloc-loop" && argc == 4) return AllocLoop(argv);
   if (mode == "intruder" && argc == 8) return Intruder(argv);
+  if (mode == "optimizer-loop" && argc == 4) return OptimizerLoop(argv);
   std::fprintf(stderr, "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB SESSION TOKEN UID GID\n");
   return 2;
 }

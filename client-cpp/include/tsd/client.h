@@ -24,6 +24,9 @@
 
 namespace tsd {
 
+class Optimizer;
+struct OptimizerSpec;
+
 // The daemon's pool, as `Client::Status` reports it.
 struct PoolStatus {
   std::string version;
@@ -110,6 +113,9 @@ class Client final {
   absl::Status Free(const std::shared_ptr<Region>& region);
   absl::StatusOr<std::vector<RegionDesc>> ListRegions();
   absl::StatusOr<PoolStatus> Status();
+  // Sets up the job's optimizer engine in the daemon and maps its slots (see tsd/optimizer.h).
+  // The Optimizer must not outlive this Client.
+  absl::StatusOr<std::unique_ptr<Optimizer>> RegisterOptimizer(const OptimizerSpec& spec);
   absl::StatusOr<std::vector<JobStatus>> Jobs();
 
   const std::string& socket_path() const { return socket_path_; }
@@ -122,6 +128,11 @@ class Client final {
   struct Impl;
   explicit Client(std::string socket_path);
   absl::StatusOr<std::shared_ptr<Region>> FetchAndMap(uint64_t region_id);
+  friend class Optimizer;
+  // Sends a state request with `fd` on the side socket; returns the bytes the daemon moved.
+  absl::StatusOr<uint64_t> StateRequest(bool save, int fd);
+  // False once the daemon closed the session's side connection (it died or shut down).
+  bool DaemonAlive(std::string* why);
 
   const std::string socket_path_;
   std::unique_ptr<Impl> impl_;

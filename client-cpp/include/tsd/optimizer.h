@@ -1,0 +1,130 @@
+// tsd::Optimizer: the client side of the daemon's AdamW engine.
+//
+// `Client::RegisterOptimizer` lays out a job's parameters as buckets in the daemon and maps the
+// parts a training process touches: fp32 master weights (initialise them before the first step),
+// a gradient slot and a parameter slot per bucket, and the control page. The hot path never makes
+// a gRPC call: `Ready(b)` publishes a bucket's gradients and rings the doorbell, the daemon's CPU
+// threads update the bucket while the caller goes on (e.g. with backward), and `Wait(b)` returns
+// once the updated parameters are in the bucket's param slot.
+//
+//   auto opt = client->RegisterOptimizer(spec);
+//   std::memcpy((*opt)->master(0), weights, n * 4);                 // once
+//   (*opt)->SetGroup(0, {.lr = 1e-3});                              // each step (schedulers)
+//   std::memcpy((*opt)->grad(0), grads, n * 4); (*opt)->Ready(0);   // as each gradient lands
+//   (*opt)->Wait(0);                                                // before the bucket is used
+//
+// Methods for different buckets may be called from different threads; one bucket is driven by
+// one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tsd {
+
+class Client;
+class Region;
+
+enum class DType : uint8_t { kF32 = 1, kBF16 = 2, kF16 = 3 };
+size_t DTypeBytes(DType d);
+
+// One parameter group's hyperparameters, as torch.optim.AdamW names them.
+struct GroupHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+struct BucketSpec {
+  uint32_t group = 0;
+  uint64_t numel = 0;
+  DType grad_dtype = DType::kF32;
+  DType param_dtype = DType::kF32;
+};
+
+struct OptimizerSpec {
+  std::vector<GroupHyper> groups;
+  std::vector<BucketSpec> buckets;
+  DType moment_dtype = DType::kF32;  // kF32 or kBF16 (stochastic rounding)
+  double max_grad_norm = 0;          // > 0: clip by global norm; call Commit() each step
+  bool accumulate = false;           // allow deliveries that accumulate (first/final flags)
+  uint64_t seed = 0;
+  // Refused with a clear error (tsd's AdamW does not implement them).
+  bool amsgrad = false;
+  bool maximize = false;
+};
+
+class Optimizer final {
+ public:
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  size_t num_buckets() const { return buckets_.size(); }
+  size_t num_groups() const { return groups_; }
+  uint64_t numel(size_t b) const { return buckets_[b].numel; }
+  // The bucket's fp32 master weights (shared with the daemon; write them before the first step).
+  float* master(size_t b) const;
+  // The bucket's gradient slot, in its grad dtype. Write only while the bucket is idle.
+  void* grad(size_t b) const;
+  // The bucket's updated parameters, in its param dtype. Valid after Wait(b).
+  const void* param(size_t b) const;
+
+  // Writes group `g`'s hyperparameters for the next step's updates.
+  void SetGroup(size_t g, const GroupHyper& h);
+  // Publishes bucket b's gradient slot and rings the doorbell. `first`: start accumulating afresh;
+  // `final`: update the parameters after this delivery. The defaults are one delivery per step.
+  // Call only when the bucket is idle (after Wait(b)).
+  absl::Status Ready(size_t b, bool first = true, bool final = true);
+  // Waits until bucket b's last delivery is processed.
+  absl::Status Wait(size_t b, absl::Duration timeout = absl::Seconds(600));
+  // Waits for every bucket.
+  absl::Status WaitAll(absl::Duration timeout = absl::Seconds(600));
+  // With clipping: ends the step; the daemon clips by the global norm of the held final
+  // deliveries and updates them. Returns once all are updated.
+  absl::Status Commit(absl::Duration timeout = absl::Seconds(600));
+  // The global gradient norm of the last Commit.
+  double last_grad_norm() const;
+  // Optimizer steps applied to bucket b.
+  uint32_t steps(size_t b) const;
+
+  // Writes the state (master, moments, steps) as safetensors into `fd` (a regular file or a
+  // memfd); reads it back. Both need every bucket idle.
+  absl::StatusOr<uint64_t> SaveState(int fd);
+  absl::StatusOr<uint64_t> LoadState(int fd);
+
+  const std::string& isa() const { return isa_; }
+  uint32_t threads() const { return threads_; }
+  uint64_t state_bytes() const { return state_bytes_; }
+
+ private:
+  friend class Client;
+  struct Bucket {
+    uint64_t numel = 0;
+    DType grad_dtype = DType::kF32, param_dtype = DType::kF32;
+    uint64_t master_offset = 0, grad_offset = 0, param_offset = 0;
+  };
+  Optimizer() = default;
+  // Waits until `done()` or the daemon reports a failure or disappears.
+  template <typename Done>
+  absl::Status WaitUntil(Done done, absl::Duration timeout, const char* what);
+  absl::Status Failure() const;
+
+  Client* client_ = nullptr;
+  std::shared_ptr<Region> control_, master_, grads_, params_;
+  std::vector<Bucket> buckets_;
+  size_t groups_ = 0;
+  uint64_t commits_ = 0;
+  std::string isa_;
+  uint32_t threads_ = 0;
+  uint64_t state_bytes_ = 0;
+};
+
+}  // namespace tsd

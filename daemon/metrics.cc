@@ -1,0 +1,193 @@
+#include "daemon/metrics.h"
+
+#include <exception>
+#include <set>
+#include <utility>
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/registry.h"
+#include "daemon/version.h"
+
+namespace tsd {
+namespace {
+
+constexpr char kJobLabel[] = "job_name";
+
+// From 50 us (a small bucket on one core) to 10 s (a huge bucket on a busy host).
+const prometheus::Histogram::BucketBoundaries& BucketUpdateBounds() {
+  static const auto* bounds = new prometheus::Histogram::BucketBoundaries{
+      5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+  return *bounds;
+}
+
+prometheus::MetricFamily Gauge(std::string name, std::string help) {
+  prometheus::MetricFamily f;
+  f.name = std::move(name);
+  f.help = std::move(help);
+  f.type = prometheus::MetricType::Gauge;
+  return f;
+}
+
+void AddSample(prometheus::MetricFamily& f, double value,
+               std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  f.metric.push_back(std::move(m));
+}
+
+prometheus::MetricFamily Single(std::string name, std::string help, double value) {
+  prometheus::MetricFamily f = Gauge(std::move(name), std::move(help));
+  AddSample(f, value);
+  return f;
+}
+
+}  // namespace
+
+// What the exposer scrapes: a view of the Metrics that owns it.
+class Metrics::Collector final : public prometheus::Collectable {
+ public:
+  explicit Collector(const Metrics& metrics) : metrics_(metrics) {}
+  std::vector<prometheus::MetricFamily> Collect() const override { return metrics_.Collect(); }
+
+ private:
+  const Metrics& metrics_;
+};
+
+Metrics::Metrics(const Registry& registry)
+    : registry_(registry), optimizer_(std::make_shared<prometheus::Registry>()) {
+  steps_ = &prometheus::BuildCounter()
+                .Name("tsd_optimizer_steps_total")
+                .Help("Optimizer steps completed, per job")
+                .Register(*optimizer_);
+  params_ = &prometheus::BuildCounter()
+                 .Name("tsd_optimizer_params_total")
+                 .Help("Parameters updated by the optimizer, per job; its rate is the throughput")
+                 .Register(*optimizer_);
+  bucket_seconds_ = &prometheus::BuildHistogram()
+                         .Name("tsd_bucket_update_seconds")
+                         .Help("Time to update one bucket of parameters, per job")
+                         .Register(*optimizer_);
+  collector_ = std::make_shared<Collector>(*this);
+}
+
+Metrics::~Metrics() {
+  exposer_.reset();  // stop serving before the collector and families go away
+}
+
+absl::Status Metrics::Listen(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics at ", address, " (", e.what(),
+        "): is the port taken, or not an IP address of this host? Set metrics_listen "
+        "(--metrics-listen) to a free HOST:PORT, or to \"\" to turn the endpoint off"));
+  }
+  exposer_->RegisterCollectable(collector_);
+  return absl::OkStatus();
+}
+
+int Metrics::port() const {
+  if (exposer_ == nullptr) return 0;
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) return it->second;
+  JobSeries s;
+  const prometheus::Labels labels = {{kJobLabel, job}};
+  s.steps = &steps_->Add(labels);
+  s.params = &params_->Add(labels);
+  s.bucket_seconds = &bucket_seconds_->Add(labels, BucketUpdateBounds());
+  s.generation = generation_;
+  return jobs_.emplace(job, s).first->second;
+}
+
+void Metrics::RecordStep(const std::string& job) {
+  absl::MutexLock lock(&mu_);
+  SeriesLocked(job).steps->Increment();
+}
+
+void Metrics::RecordBucketUpdate(const std::string& job, double seconds, uint64_t params) {
+  absl::MutexLock lock(&mu_);
+  JobSeries& s = SeriesLocked(job);
+  s.bucket_seconds->Observe(seconds);
+  s.params->Increment(static_cast<double>(params));
+}
+
+std::vector<prometheus::MetricFamily> Metrics::Collect() const {
+  uint64_t generation;
+  {
+    absl::MutexLock lock(&mu_);
+    generation = ++generation_;  // series created from here on survive this scrape
+  }
+  const Registry::MetricsView view = registry_.View();
+
+  std::vector<prometheus::MetricFamily> out;
+  {
+    prometheus::MetricFamily f = Gauge("tsd_build_info", "The daemon's version (always 1)");
+    AddSample(f, 1, {{"version", kVersion}});
+    out.push_back(std::move(f));
+  }
+  out.push_back(Single("tsd_start_time_seconds", "When the daemon started, in Unix time",
+                       absl::ToDoubleSeconds(started_ - absl::UnixEpoch())));
+  out.push_back(Single("tsd_pool_bytes", "The pool's capacity in bytes",
+                       static_cast<double>(view.pool.pool_bytes)));
+  out.push_back(Single("tsd_pool_used_bytes", "Bytes of the pool held by jobs",
+                       static_cast<double>(view.pool.used_bytes)));
+  out.push_back(Single("tsd_pool_locked_bytes", "Bytes of the pool's regions that are mlock()ed",
+                       static_cast<double>(view.locked_bytes)));
+  out.push_back(Single("tsd_max_job_quota_bytes", "The largest quota a new job may get, in bytes",
+                       static_cast<double>(view.max_job_quota_bytes)));
+  out.push_back(Single("tsd_jobs", "Jobs holding memory", view.pool.jobs));
+  out.push_back(Single("tsd_sessions", "Live sessions (hello completed)", view.pool.sessions));
+
+  prometheus::MetricFamily info = Gauge("tsd_job_info", "One per job, labelled with its owner uid");
+  prometheus::MetricFamily used = Gauge("tsd_job_used_bytes", "Bytes a job holds");
+  prometheus::MetricFamily quota = Gauge("tsd_job_quota_bytes", "A job's quota in bytes");
+  prometheus::MetricFamily sessions = Gauge("tsd_job_sessions", "A job's live sessions");
+  prometheus::MetricFamily regions = Gauge("tsd_job_regions", "A job's regions");
+  std::set<std::string> live;
+  for (const v1::JobInfo& j : view.jobs) {
+    live.insert(j.name());
+    const std::vector<prometheus::ClientMetric::Label> label = {{kJobLabel, j.name()}};
+    AddSample(info, 1, {{kJobLabel, j.name()}, {"uid", std::to_string(j.uid())}});
+    AddSample(used, static_cast<double>(j.used_bytes()), label);
+    AddSample(quota, static_cast<double>(j.quota_bytes()), label);
+    AddSample(sessions, j.sessions(), label);
+    AddSample(regions, j.regions(), label);
+  }
+  for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
+
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (it->second.generation < generation && live.count(it->first) == 0) {
+        steps_->Remove(it->second.steps);
+        params_->Remove(it->second.params);
+        bucket_seconds_->Remove(it->second.bucket_seconds);
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& f : optimizer_->Collect()) out.push_back(std::move(f));
+  return out;
+}
+
+std::string Metrics::Render() const { return prometheus::TextSerializer().Serialize(Collect()); }
+
+}  // namespace tsd

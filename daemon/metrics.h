@@ -1,0 +1,112 @@
+// Metrics is tsd's Prometheus endpoint: `GET http://<metrics_listen>/metrics` in the text format,
+// served by prometheus-cpp on its own threads.
+//
+// Two kinds of figures are exported. The pool and the jobs are not counted here at all: they are
+// read from the Registry at each scrape (Registry::View, one lock), so they always agree with
+// `tsctl status --json` and `tsctl jobs --json`. The optimizer's figures are events only the
+// engine sees, so the engine reports them through the Record* calls below.
+//
+// Exported (per job, the label is `job_name`: `job` is the label Prometheus itself gives every
+// scraped target, and a target's own `job` label would be renamed `exported_job`):
+//   tsd_build_info{version}                 1
+//   tsd_start_time_seconds                  when the daemon started (Unix time)
+//   tsd_pool_bytes                          the pool's capacity
+//   tsd_pool_used_bytes                     bytes held by all jobs (allocations in flight included)
+//   tsd_pool_locked_bytes                   bytes of regions that are mlock()ed
+//   tsd_max_job_quota_bytes                 the largest quota a new job may get
+//   tsd_jobs, tsd_sessions                  jobs, live sessions
+//   tsd_job_info{job_name,uid}              1 per job (its owner)
+//   tsd_job_used_bytes{job_name}            bytes the job holds
+//   tsd_job_quota_bytes{job_name}           the job's quota
+//   tsd_job_sessions{job_name}, tsd_job_regions{job_name}
+//   tsd_optimizer_steps_total{job_name}     optimizer steps completed (RecordStep)
+//   tsd_optimizer_params_total{job_name}    parameters updated; its rate() is the throughput
+//   tsd_bucket_update_seconds{job_name}     histogram: time to update one bucket
+// A job's optimizer series disappear with the job (at the first scrape after it is released).
+// There are no store metrics: the daemon has no stores yet.
+//
+// Thread safety: every method may be called from any thread. Record* take one mutex briefly (a
+// map lookup and an atomic add), so the engine may call them per bucket.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Histogram;
+class Registry;
+struct MetricFamily;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace tsd {
+
+class Registry;
+
+class Metrics final {
+ public:
+  // Reads pool and job figures from `registry` (which must outlive this) at each scrape.
+  // Nothing listens until Listen.
+  explicit Metrics(const Registry& registry);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // Serves /metrics at `address`: "127.0.0.1:9464", "0.0.0.0:9464", "[::1]:9464" (an IP address,
+  // not a host name). An error says why (e.g. the port is taken) and what to do.
+  absl::Status Listen(const std::string& address);
+  // The port it listens on; 0 when not listening.
+  int port() const;
+
+  // --- The optimizer engine's API ---
+  // One optimizer step of `job` completed (every bucket updated).
+  void RecordStep(const std::string& job);
+  // One bucket update of `job` took `seconds` (from its gradients being ready to its parameters
+  // written) and updated `params` parameters.
+  void RecordBucketUpdate(const std::string& job, double seconds, uint64_t params);
+
+  // Everything, in the Prometheus text format: what a scrape returns (tests, debugging).
+  std::string Render() const;
+
+ private:
+  class Collector;
+  struct JobSeries {
+    prometheus::Counter* steps = nullptr;
+    prometheus::Counter* params = nullptr;
+    prometheus::Histogram* bucket_seconds = nullptr;
+    uint64_t generation = 0;  // the scrape generation it was created in
+  };
+
+  // The job's series, created on first use.
+  JobSeries& SeriesLocked(const std::string& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a scrape returns: the registry's figures, then the optimizer's (after dropping the
+  // series of jobs that are gone).
+  std::vector<prometheus::MetricFamily> Collect() const;
+
+  const Registry& registry_;
+  const absl::Time started_ = absl::Now();
+  std::shared_ptr<prometheus::Registry> optimizer_;  // owns the families below
+  prometheus::Family<prometheus::Counter>* steps_ = nullptr;
+  prometheus::Family<prometheus::Counter>* params_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* bucket_seconds_ = nullptr;
+  std::shared_ptr<Collector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+
+  // A scrape prunes the series of released jobs, hence mutable.
+  mutable absl::Mutex mu_;
+  mutable uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable std::map<std::string, JobSeries> jobs_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tsd

@@ -1,0 +1,446 @@
+#include "daemon/optimizer/job_optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "proto/futex.h"
+#include "proto/wire.h"
+#include "spdlog/spdlog.h"
+
+namespace tsd {
+namespace {
+
+constexpr size_t kMaxGroups = 1024;
+constexpr size_t kMaxBuckets = 65536;
+constexpr int64_t kChunk = 1 << 18;       // elements per pool task
+constexpr int64_t kInline = 1 << 15;      // buckets this small run on the dispatcher
+constexpr int64_t kSpinNs = 30000;        // the dispatcher spins this long before sleeping
+constexpr int64_t kSleepNs = 100000000;   // and sleeps at most this long (to notice Stop)
+
+uint64_t Align64(uint64_t x) { return (x + 63) / 64 * 64; }
+
+absl::StatusOr<kernels::DType> ToKernel(v1::DType d, const char* what, bool allow_unspecified) {
+  switch (d) {
+    case v1::F32:
+      return kernels::DType::kF32;
+    case v1::BF16:
+      return kernels::DType::kBF16;
+    case v1::F16:
+      return kernels::DType::kF16;
+    case v1::DTYPE_UNSPECIFIED:
+      if (allow_unspecified) return kernels::DType::kF32;
+      [[fallthrough]];
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(what, " must be F32, BF16 or F16 (got ", static_cast<int>(d), ")"));
+  }
+}
+
+// The hyperparameter checks torch.optim.AdamW makes, plus finiteness.
+absl::Status CheckHyper(double lr, double beta1, double beta2, double eps, double wd) {
+  if (!std::isfinite(lr) || lr < 0) return absl::InvalidArgumentError(absl::StrCat("invalid learning rate ", lr));
+  if (!(beta1 >= 0 && beta1 < 1)) return absl::InvalidArgumentError(absl::StrCat("invalid beta1 ", beta1, " (must be in [0, 1))"));
+  if (!(beta2 >= 0 && beta2 < 1)) return absl::InvalidArgumentError(absl::StrCat("invalid beta2 ", beta2, " (must be in [0, 1))"));
+  if (!std::isfinite(eps) || eps < 0) return absl::InvalidArgumentError(absl::StrCat("invalid eps ", eps));
+  if (!std::isfinite(wd) || wd < 0) return absl::InvalidArgumentError(absl::StrCat("invalid weight_decay ", wd));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+
+
+absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequest& req, uint64_t max_bytes) {
+  OptimizerPlan p;
+  if (req.groups_size() < 1 || static_cast<size_t>(req.groups_size()) > kMaxGroups) {
+    return absl::InvalidArgumentError(absl::StrCat("an optimizer needs 1 to ", kMaxGroups, " parameter groups (got ",
+                                                   req.groups_size(), ")"));
+  }
+  if (req.buckets_size() < 1 || static_cast<size_t>(req.buckets_size()) > kMaxBuckets) {
+    return absl::InvalidArgumentError(absl::StrCat("an optimizer needs 1 to ", kMaxBuckets, " buckets (got ",
+                                                   req.buckets_size(), ")"));
+  }
+  for (int g = 0; g < req.groups_size(); ++g) {
+    const auto& grp = req.groups(g);
+    if (grp.amsgrad()) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", g, ": amsgrad=True is not supported by tsd's AdamW; "
+                                                     "use amsgrad=False (torch's default)"));
+    }
+    if (grp.maximize()) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", g, ": maximize=True is not supported by tsd's AdamW; "
+                                                     "negate the loss instead"));
+    }
+    if (absl::Status s = CheckHyper(grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay()); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", g, ": ", s.message()));
+    }
+    p.groups.push_back(grp);
+  }
+  auto moment = ToKernel(req.moment_dtype(), "moment_dtype", true);
+  if (!moment.ok()) return moment.status();
+  if (*moment == kernels::DType::kF16) {
+    return absl::InvalidArgumentError("moment_dtype must be F32 or BF16 (F16 moments are not supported)");
+  }
+  p.moment_dtype = *moment;
+  if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be >= 0 (got ", req.max_grad_norm(), ")"));
+  }
+  p.max_grad_norm = req.max_grad_norm();
+  p.accumulate = req.accumulate();
+  p.seed = req.seed();
+  const uint64_t msize = kernels::DTypeSize(p.moment_dtype);
+  uint64_t master = 0, moments = 0, grads = 0, params = 0;
+  const uint64_t max_numel = max_bytes / 4;
+  uint64_t total_numel = 0;
+  for (int b = 0; b < req.buckets_size(); ++b) {
+    const auto& spec = req.buckets(b);
+    if (spec.group() >= static_cast<uint32_t>(req.groups_size())) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " names group ", spec.group(), " but there are ",
+                                                     req.groups_size(), " groups"));
+    }
+    if (spec.numel() > max_numel || total_numel + spec.numel() > max_numel) {
+      return absl::ResourceExhaustedError(absl::StrCat("bucket ", b, ": ", total_numel + spec.numel(),
+                                                       " parameters cannot fit in the pool"));
+    }
+    total_numel += spec.numel();
+    auto gd = ToKernel(spec.grad_dtype(), "grad_dtype", false);
+    if (!gd.ok()) return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", gd.status().message()));
+    auto pd = ToKernel(spec.param_dtype(), "param_dtype", false);
+    if (!pd.ok()) return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", pd.status().message()));
+    BucketPlan bp;
+    bp.group = spec.group();
+    bp.numel = static_cast<int64_t>(spec.numel());
+    bp.grad_dtype = *gd;
+    bp.param_dtype = *pd;
+    bp.master_offset = master;
+    bp.moment_offset = moments;
+    bp.grad_offset = grads;
+    bp.param_offset = params;
+    master += Align64(spec.numel() * 4);
+    moments += Align64(spec.numel() * msize);
+    grads += Align64(spec.numel() * kernels::DTypeSize(*gd));
+    params += Align64(spec.numel() * kernels::DTypeSize(*pd));
+    p.buckets.push_back(bp);
+  }
+  auto page = [](uint64_t x) { return std::max<uint64_t>(wire::kPageBytes, (x + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes); };
+  p.control_bytes = page(wire::ControlPageBytes(static_cast<uint32_t>(req.groups_size()), static_cast<uint32_t>(req.buckets_size())));
+  p.master_bytes = page(master);
+  p.moment_bytes = page(moments);
+  p.grad_bytes = page(grads);
+  p.param_bytes = page(params);
+  p.accum_bytes = p.accumulate ? page(master) : 0;
+  return p;
+}
+
+JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
+                           kernels::Isa isa)
+    : job_(std::move(job)), plan_(std::move(plan)), regions_(std::move(regions)), pool_(pool),
+      queue_(pool.NewQueue()), isa_(isa) {
+  page_ = wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
+  page_.header->magic = wire::kControlPageMagic;
+  page_.header->version = wire::kControlPageVersion;
+  page_.header->num_groups = static_cast<uint32_t>(plan_.groups.size());
+  page_.header->num_buckets = static_cast<uint32_t>(plan_.buckets.size());
+  for (size_t g = 0; g < plan_.groups.size(); ++g) {
+    const auto& grp = plan_.groups[g];
+    page_.groups[g] = {grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay()};
+  }
+  auto base = [](const std::shared_ptr<Region>& r) { return r ? static_cast<char*>(r->data()) : nullptr; };
+  for (size_t b = 0; b < plan_.buckets.size(); ++b) {
+    auto run = std::make_unique<BucketRun>();
+    run->plan = plan_.buckets[b];
+    run->master = reinterpret_cast<float*>(base(regions_.master) + run->plan.master_offset);
+    run->exp_avg = base(regions_.exp_avg) + run->plan.moment_offset;
+    run->exp_avg_sq = base(regions_.exp_avg_sq) + run->plan.moment_offset;
+    run->grad = base(regions_.grads) + run->plan.grad_offset;
+    run->param = base(regions_.params) + run->plan.param_offset;
+    if (regions_.accum) run->accum = reinterpret_cast<float*>(base(regions_.accum) + run->plan.master_offset);
+    run->sr_seed = plan_.seed ^ (0x9E3779B97F4A7C15ull * (b + 1));
+    runs_.push_back(std::move(run));
+  }
+}
+
+JobOptimizer::~JobOptimizer() { Stop(); }
+
+void JobOptimizer::Start() { dispatcher_ = std::thread([this] { DispatchLoop(); }); }
+
+void JobOptimizer::Stop() {
+  stop_.store(true);
+  Kick();
+  if (dispatcher_.joinable()) dispatcher_.join();
+  pool_.Cancel(queue_);
+}
+
+std::string JobOptimizer::failure() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return failure_;
+}
+
+void JobOptimizer::Kick() {
+  page_.header->doorbell.fetch_add(1, std::memory_order_release);
+  wire::FutexWakeAll(&page_.header->doorbell);
+}
+
+void JobOptimizer::Fail(const std::string& why) {
+  if (failed_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    failure_ = why;
+  }
+  const size_t n = std::min(why.size(), sizeof(page_.header->error) - 1);
+  std::memcpy(page_.header->error, why.data(), n);
+  page_.header->error[n] = '\0';
+  page_.header->failed.store(1, std::memory_order_release);
+  page_.header->completions.fetch_add(1, std::memory_order_release);
+  wire::FutexWakeAll(&page_.header->completions);
+  spdlog::warn("event=optimizer_failed job={} reason=\"{}\"", job_, why);
+}
+
+void JobOptimizer::DispatchLoop() {
+  while (!stop_.load(std::memory_order_acquire) && !failed_.load()) {
+    const uint32_t seen = page_.header->doorbell.load(std::memory_order_acquire);
+    if (!Scan()) return;
+    // Spin a little (a next bucket often follows right away), then sleep on the doorbell.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(kSpinNs);
+    bool rang = false;
+    while (std::chrono::steady_clock::now() < spin_until) {
+      if (page_.header->doorbell.load(std::memory_order_acquire) != seen) {
+        rang = true;
+        break;
+      }
+    }
+    if (!rang) wire::FutexWait(&page_.header->doorbell, seen, kSleepNs);
+  }
+}
+
+bool JobOptimizer::Scan() {
+  // Read the commit counter first: the client bumps it after marking its deliveries, so every
+  // delivery before the commit is visible below.
+  const uint64_t commit = page_.header->commit.load(std::memory_order_acquire);
+  if (commit_running_ && commit_left_.load(std::memory_order_acquire) == 0) commit_running_ = false;
+  if (commit < committed_local_ || commit > committed_local_ + 1) {
+    Fail(absl::StrCat("control page: commit counter ", commit, " is not ", committed_local_, " or ",
+                      committed_local_ + 1));
+    return false;
+  }
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    BucketRun& run = *runs_[b];
+    if (run.busy.load(std::memory_order_acquire)) continue;
+    const uint64_t ready = page_.buckets[b].ready.load(std::memory_order_acquire);
+    if (ready == run.done_local) continue;
+    if (ready != run.done_local + 1) {
+      Fail(absl::StrCat("control page: bucket ", b, " ready counter is ", ready, " but ", run.done_local,
+                        " deliveries were completed (it may only advance by one)"));
+      return false;
+    }
+    if (run.held) {
+      Fail(absl::StrCat("control page: bucket ", b, " got a new delivery before the commit of its last one"));
+      return false;
+    }
+    if (!TakeDelivery(b, ready)) return false;
+  }
+  if (plan_.max_grad_norm > 0 && commit > committed_local_ && !commit_running_) MaybeApplyCommit();
+  return !failed_.load();
+}
+
+bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
+  BucketRun& run = *runs_[b];
+  const uint32_t flags = page_.buckets[b].flags.load(std::memory_order_acquire);
+  if ((flags & ~wire::kDeliveryKnownFlags) != 0) {
+    Fail(absl::StrCat("control page: bucket ", b, " has unknown flag bits 0x", absl::Hex(flags)));
+    return false;
+  }
+  const bool first = flags & wire::kDeliveryFirst, final = flags & wire::kDeliveryFinal;
+  const bool direct = first && final;  // one delivery per step: no accumulator needed
+  if (!direct && run.accum == nullptr) {
+    Fail(absl::StrCat("control page: bucket ", b, " asks for gradient accumulation (flags 0x", absl::Hex(flags),
+                      ") but the optimizer was registered without accumulate=true"));
+    return false;
+  }
+  run.busy.store(true, std::memory_order_relaxed);
+  run.pending = ready;
+  run.done_local = ready;  // taken: the next valid counter value is ready + 1
+  const bool clip = plan_.max_grad_norm > 0;
+  const kernels::DType gd = run.plan.grad_dtype;
+
+  if (direct && !clip) {
+    StepBucket(b, run.grad, gd, 1.0f, [this, b] { CompleteDelivery(b); });
+    return true;
+  }
+  if (direct && clip) {
+    run.held_from_accum = false;
+    run.partial.assign(static_cast<size_t>((run.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
+    RunChunked(
+        b, [this, run = &run, gd](int64_t begin, int64_t n, size_t chunk) {
+          run->partial[chunk] = kernels::SumSquares(static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd, n, isa_);
+        },
+        [this, run = &run] {
+          run->sumsq = 0;
+          for (double x : run->partial) run->sumsq += x;
+          run->held = true;
+          run->busy.store(false, std::memory_order_release);
+          Kick();
+        });
+    return true;
+  }
+  // Accumulate, then (final) step from the accumulator or hold it for the commit.
+  RunChunked(
+      b, [this, run = &run, gd, first](int64_t begin, int64_t n, size_t) {
+        kernels::AccumulateGrad(static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd,
+                                run->accum + begin, n, first, isa_);
+      },
+      [this, b, final, clip] {
+        BucketRun& r = *runs_[b];
+        if (!final) {
+          CompleteDelivery(b);
+        } else if (!clip) {
+          StepBucket(b, r.accum, kernels::DType::kF32, 1.0f, [this, b] { CompleteDelivery(b); });
+        } else {
+          r.held_from_accum = true;
+          r.partial.assign(static_cast<size_t>((r.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
+          RunChunked(
+              b, [this, rp = &r](int64_t begin, int64_t n, size_t chunk) {
+                rp->partial[chunk] = kernels::SumSquares(rp->accum + begin, kernels::DType::kF32, n, isa_);
+              },
+              [this, rp = &r] {
+                rp->sumsq = 0;
+                for (double x : rp->partial) rp->sumsq += x;
+                rp->held = true;
+                rp->busy.store(false, std::memory_order_release);
+                Kick();
+              });
+        }
+      });
+  return true;
+}
+
+void JobOptimizer::MaybeApplyCommit() {
+  for (const auto& run : runs_) {
+    if (run->busy.load(std::memory_order_acquire)) return;  // sums of squares still running
+  }
+  double total = 0;
+  std::vector<size_t> held;
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    if (runs_[b]->held) {
+      total += runs_[b]->sumsq;
+      held.push_back(b);
+    }
+  }
+  // torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1, in fp32.
+  const float norm = static_cast<float>(std::sqrt(total));
+  float coef = static_cast<float>(plan_.max_grad_norm) / (norm + 1e-6f);
+  if (coef > 1.0f) coef = 1.0f;
+  page_.header->last_grad_norm = norm;
+  const uint64_t target = committed_local_ + 1;
+  if (held.empty()) {
+    committed_local_ = target;
+    page_.header->committed.store(target, std::memory_order_release);
+    page_.header->completions.fetch_add(1, std::memory_order_release);
+    wire::FutexWakeAll(&page_.header->completions);
+    return;
+  }
+  commit_running_ = true;
+  commit_left_.store(static_cast<int64_t>(held.size()));
+  for (size_t b : held) {
+    BucketRun& run = *runs_[b];
+    run.held = false;
+    run.busy.store(true, std::memory_order_relaxed);
+    const void* grad = run.held_from_accum ? static_cast<const void*>(run.accum) : run.grad;
+    const kernels::DType gd = run.held_from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+    StepBucket(b, grad, gd, coef, [this, b, target] {
+      CompleteDelivery(b);
+      if (commit_left_.fetch_sub(1) == 1) {
+        // The last bucket of the commit: publish it.
+        page_.header->committed.store(target, std::memory_order_release);
+        page_.header->completions.fetch_add(1, std::memory_order_release);
+        wire::FutexWakeAll(&page_.header->completions);
+      }
+    });
+  }
+  committed_local_ = target;
+}
+
+void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
+                              std::function<void()> after) {
+  BucketRun& run = *runs_[b];
+  const wire::ControlGroup g = page_.groups[run.plan.group];  // a copy: the page is not ours
+  if (absl::Status s = CheckHyper(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay); !s.ok()) {
+    Fail(absl::StrCat("control page: group ", run.plan.group, ": ", s.message()));
+    return;
+  }
+  kernels::AdamWHyper h;
+  h.lr = g.lr;
+  h.beta1 = g.beta1;
+  h.beta2 = g.beta2;
+  h.eps = g.eps;
+  h.weight_decay = g.weight_decay;
+  h.step = ++run.steps;
+  h.grad_scale = grad_scale;
+  const size_t gsize = kernels::DTypeSize(grad_dtype), msize = kernels::DTypeSize(plan_.moment_dtype),
+               psize = kernels::DTypeSize(run.plan.param_dtype);
+  const kernels::DType md = plan_.moment_dtype;
+  RunChunked(
+      b,
+      [this, run = &run, grad, grad_dtype, h, gsize, msize, psize, md](int64_t begin, int64_t n, size_t) {
+        kernels::AdamWTensors t;
+        t.grad = static_cast<const char*>(grad) + begin * gsize;
+        t.grad_dtype = grad_dtype;
+        t.master = run->master + begin;
+        t.exp_avg = static_cast<char*>(run->exp_avg) + begin * msize;
+        t.exp_avg_sq = static_cast<char*>(run->exp_avg_sq) + begin * msize;
+        t.moment_dtype = md;
+        t.param_out = static_cast<char*>(run->param) + begin * psize;
+        t.param_dtype = run->plan.param_dtype;
+        t.n = n;
+        t.sr_seed = run->sr_seed;
+        t.sr_offset = begin;
+        kernels::AdamWStep(t, h, isa_);
+      },
+      [this, b, after = std::move(after)] {
+        page_.buckets[b].steps.store(static_cast<uint32_t>(runs_[b]->steps), std::memory_order_relaxed);
+        after();
+      });
+}
+
+void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn, std::function<void()> done) {
+  BucketRun& run = *runs_[b];
+  const int64_t n = run.plan.numel;
+  if (n <= kInline) {
+    if (n > 0) fn(0, n, 0);
+    done();
+    return;
+  }
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  run.remaining.store(chunks, std::memory_order_relaxed);
+  auto shared_fn = std::make_shared<std::function<void(int64_t, int64_t, size_t)>>(std::move(fn));
+  auto shared_done = std::make_shared<std::function<void()>>(std::move(done));
+  std::vector<std::function<void()>> tasks;
+  tasks.reserve(static_cast<size_t>(chunks));
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    tasks.push_back([run = &run, shared_fn, shared_done, begin, len, c] {
+      (*shared_fn)(begin, len, static_cast<size_t>(c));
+      if (run->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) (*shared_done)();
+    });
+  }
+  pool_.Submit(queue_, std::move(tasks));
+}
+
+void JobOptimizer::CompleteDelivery(size_t b) {
+  BucketRun& run = *runs_[b];
+  page_.buckets[b].done.store(run.pending, std::memory_order_release);
+  run.busy.store(false, std::memory_order_release);
+  page_.header->completions.fetch_add(1, std::memory_order_release);
+  wire::FutexWakeAll(&page_.header->completions);
+}
+
+bool JobOptimizer::Idle() const {
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    if (runs_[b]->busy.load(std::memory_order_acquire) || runs_[b]->held) return false;
+    if (page_.buckets[b].ready.load(std::memory_order_acquire) != runs_[b]->done_local) return false;
+  }
+  return true;
+}
+
+}  // namespace tsd

@@ -1,0 +1,154 @@
+// JobOptimizer is one job's AdamW engine: fp32 master weights, moments, gradient and parameter
+// slots in the job's regions, a dispatcher thread that watches the job's control page, and work
+// handed to the shared WorkerPool bucket chunk by bucket chunk.
+//
+// The dispatcher sleeps on the page's doorbell futex. When the client marks a bucket's delivery
+// ready it checks the counters (the page is written by an untrusted process), then accumulates,
+// or steps, or (with clipping) computes the bucket's sum of squares and holds it until the
+// client's commit. Small buckets run on the dispatcher itself (one thread hop less on the hot
+// path); large ones are split into chunks across the pool. Completion stores the bucket's `done`
+// counter and wakes the client.
+//
+// Anything invalid on the page fails the optimizer: it stops, writes why into the page, logs it,
+// and the Registry closes the session (Registry::Sweep). Destruction stops the dispatcher and
+// waits for work in flight, so the regions can be released right after.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/optimizer/worker_pool.h"
+#include "daemon/region.h"
+#include "kernels/cpu/adamw.h"
+#include "proto/control_page.h"
+#include "proto/tsd.pb.h"
+
+namespace tsd {
+
+// Where one bucket's data lives (byte offsets into the optimizer's regions).
+struct BucketPlan {
+  uint32_t group = 0;
+  int64_t numel = 0;
+  kernels::DType grad_dtype = kernels::DType::kF32;
+  kernels::DType param_dtype = kernels::DType::kF32;
+  uint64_t master_offset = 0;  // also indexes "opt/accum" (both fp32)
+  uint64_t moment_offset = 0;  // into "opt/exp_avg" and "opt/exp_avg_sq"
+  uint64_t grad_offset = 0;
+  uint64_t param_offset = 0;
+};
+
+// The sizes and layout an optimizer registration needs; computed before anything is allocated.
+struct OptimizerPlan {
+  std::vector<BucketPlan> buckets;
+  std::vector<v1::ParamGroup> groups;
+  kernels::DType moment_dtype = kernels::DType::kF32;
+  double max_grad_norm = 0;
+  bool accumulate = false;
+  uint64_t seed = 0;
+  uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
+           accum_bytes = 0;
+  uint64_t total_bytes() const {
+    return control_bytes + master_bytes + 2 * moment_bytes + grad_bytes + param_bytes + accum_bytes;
+  }
+};
+
+// The regions an optimizer lives in (accum may be null).
+struct OptimizerRegions {
+  std::shared_ptr<Region> control, master, exp_avg, exp_avg_sq, grads, params, accum;
+};
+
+class JobOptimizer final {
+ public:
+  // Checks a registration request (counts, dtypes, hyperparameters, unsupported options) and
+  // lays it out. Nothing is allocated.
+  static absl::StatusOr<OptimizerPlan> Plan(const v1::RegisterOptimizerRequest& request,
+                                            uint64_t max_bytes);
+
+  JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
+               kernels::Isa isa);
+  ~JobOptimizer();
+  JobOptimizer(const JobOptimizer&) = delete;
+  JobOptimizer& operator=(const JobOptimizer&) = delete;
+
+  // Starts the dispatcher thread.
+  void Start();
+  // Stops the dispatcher and waits for work in flight. Idempotent.
+  void Stop();
+  // True once the page was found invalid; `failure()` says why.
+  bool failed() const { return failed_.load(); }
+  std::string failure() const;
+  const OptimizerPlan& plan() const { return plan_; }
+
+  // Writes the state as safetensors into `fd` (a regular file or memfd); returns bytes written.
+  absl::StatusOr<uint64_t> SaveState(int fd);
+  // Reads state written by SaveState; validates everything before changing anything.
+  absl::StatusOr<uint64_t> LoadState(int fd);
+
+ private:
+  // The dispatcher's view of one bucket (workers touch only the atomics, `partial` and `held`,
+  // `sumsq` before releasing `busy`).
+  struct BucketRun {
+    BucketPlan plan;
+    float* master = nullptr;
+    void* exp_avg = nullptr;
+    void* exp_avg_sq = nullptr;
+    void* grad = nullptr;
+    void* param = nullptr;
+    float* accum = nullptr;
+    uint64_t done_local = 0;       // dispatcher: last delivery completed or taken
+    std::atomic<bool> busy{false};
+    uint64_t pending = 0;          // the delivery in flight
+    bool held = false;             // a final delivery waits for the commit
+    bool held_from_accum = false;
+    std::vector<double> partial;   // per-chunk sums of squares
+    double sumsq = 0;
+    std::atomic<int64_t> remaining{0};
+    int64_t steps = 0;
+    uint64_t sr_seed = 0;
+  };
+
+
+  void DispatchLoop();
+  // One pass over the page; returns false after a failure.
+  bool Scan();
+  bool TakeDelivery(size_t b, uint64_t ready);
+  void MaybeApplyCommit();
+  // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
+  // runs once after the last chunk.
+  void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn, std::function<void()> done);
+  void StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
+                  std::function<void()> after);
+  void CompleteDelivery(size_t b);
+  void Kick();
+  void Fail(const std::string& why);
+  bool Idle() const;
+
+  const std::string job_;
+  const OptimizerPlan plan_;
+  const OptimizerRegions regions_;
+  WorkerPool& pool_;
+  std::shared_ptr<WorkerPool::Queue> queue_;
+  const kernels::Isa isa_;
+  wire::ControlView page_;
+  std::vector<std::unique_ptr<BucketRun>> runs_;
+
+  // Commit (clipping) state, dispatcher-owned except `commit_left_`.
+  uint64_t committed_local_ = 0;
+  bool commit_running_ = false;
+  std::atomic<int64_t> commit_left_{0};
+
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> failed_{false};
+  mutable std::mutex failure_mu_;
+  std::string failure_;
+  std::mutex state_mu_;  // serialises SaveState/LoadState
+  std::thread dispatcher_;
+};
+
+}  // namespace tsd

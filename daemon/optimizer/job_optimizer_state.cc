@@ -1,0 +1,211 @@
+// JobOptimizer's state file: the optimizer state as a safetensors file, so a checkpoint can be
+// read by any safetensors reader. Per bucket b: "b<b>.master" (F32), "b<b>.exp_avg" and
+// "b<b>.exp_avg_sq" (F32 or BF16, as registered) and "b<b>.step" (I64, one element); the metadata
+// names the format and the layout, and loading checks all of it before changing anything.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/optimizer/job_optimizer.h"
+
+namespace tsd {
+namespace {
+
+constexpr char kFormat[] = "tsd.optimizer.v1";
+constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
+
+const char* SafetensorsDType(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kF32:
+      return "F32";
+    case kernels::DType::kBF16:
+      return "BF16";
+    case kernels::DType::kF16:
+      return "F16";
+  }
+  return "?";
+}
+
+struct Entry {
+  std::string name;
+  const char* dtype;
+  int64_t numel;
+  char* data;  // where the bytes live in the daemon
+  uint64_t bytes;
+};
+
+absl::Status CheckFile(int fd) {
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0) return absl::InvalidArgumentError("no valid descriptor came with the request");
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError("the state descriptor must be a regular file or a memfd (not a pipe or socket)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteAll(int fd, const char* p, uint64_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t w = pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return absl::ResourceExhaustedError(absl::StrCat("writing the state file failed: ", std::strerror(errno)));
+    }
+    p += w;
+    n -= static_cast<uint64_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadAll(int fd, char* p, uint64_t n, uint64_t offset) {
+  while (n > 0) {
+    const ssize_t r = pread(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return absl::InvalidArgumentError("the state file is shorter than its header says");
+    p += r;
+    n -= static_cast<uint64_t>(r);
+    offset += static_cast<uint64_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
+  if (absl::Status s = CheckFile(fd); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!Idle()) {
+    return absl::FailedPreconditionError("the optimizer has deliveries in flight; save between steps (wait for every bucket first)");
+  }
+  const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
+  std::vector<Entry> entries;
+  std::vector<int64_t> steps(runs_.size());
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    BucketRun& r = *runs_[b];
+    const int64_t n = r.plan.numel;
+    steps[b] = r.steps;
+    entries.push_back({absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4});
+    entries.push_back({absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg), n * msize});
+    entries.push_back({absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg_sq), n * msize});
+    entries.push_back({absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8});
+  }
+  nlohmann::json header;
+  header["__metadata__"] = {{"format", kFormat}, {"buckets", std::to_string(runs_.size())},
+                            {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
+                            {"committed", std::to_string(committed_local_)}};
+  uint64_t offset = 0;
+  for (const auto& e : entries) {
+    header[e.name] = {{"dtype", e.dtype}, {"shape", {e.numel}}, {"data_offsets", {offset, offset + e.bytes}}};
+    offset += e.bytes;
+  }
+  std::string h = header.dump();
+  while ((8 + h.size()) % 8 != 0) h.push_back(' ');
+  const uint64_t hlen = h.size();
+  char len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
+  if (ftruncate(fd, 0) != 0) return absl::InvalidArgumentError(absl::StrCat("cannot truncate the state file: ", std::strerror(errno)));
+  if (absl::Status s = WriteAll(fd, len_bytes, 8, 0); !s.ok()) return s;
+  if (absl::Status s = WriteAll(fd, h.data(), hlen, 8); !s.ok()) return s;
+  uint64_t pos = 8 + hlen;
+  for (const auto& e : entries) {
+    if (absl::Status s = WriteAll(fd, e.data, e.bytes, pos); !s.ok()) return s;
+    pos += e.bytes;
+  }
+  return pos;
+}
+
+absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
+  if (absl::Status s = CheckFile(fd); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!Idle()) return absl::FailedPreconditionError("the optimizer has deliveries in flight; load between steps");
+  struct stat st {};
+  fstat(fd, &st);
+  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  unsigned char len_bytes[8];
+  if (file_bytes < 8 || !ReadAll(fd, reinterpret_cast<char*>(len_bytes), 8, 0).ok()) {
+    return absl::InvalidArgumentError("the state file is too short to be safetensors");
+  }
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
+  if (hlen > kMaxHeaderBytes || 8 + hlen > file_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the state file's header length ", hlen, " is not plausible"));
+  }
+  std::string h(hlen, '\0');
+  if (absl::Status s = ReadAll(fd, h.data(), hlen, 8); !s.ok()) return s;
+  const nlohmann::json header = nlohmann::json::parse(h, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return absl::InvalidArgumentError("the state file's header is not JSON");
+  const auto meta = header.find("__metadata__");
+  if (meta == header.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
+    return absl::InvalidArgumentError(absl::StrCat("the file is not a tsd optimizer state (", kFormat, ")"));
+  }
+  const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
+  const uint64_t data_start = 8 + hlen, data_bytes = file_bytes - data_start;
+  struct Source {
+    uint64_t begin;
+    uint64_t bytes;
+    char* dest;
+  };
+  std::vector<Source> sources;
+  std::vector<int64_t> steps(runs_.size());
+  size_t expected_entries = 1;  // __metadata__
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    BucketRun& r = *runs_[b];
+    const int64_t n = r.plan.numel;
+    const Entry want[] = {
+        {absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4},
+        {absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg), n * msize},
+        {absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg_sq), n * msize},
+        {absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8}};
+    for (const Entry& e : want) {
+      ++expected_entries;
+      const auto it = header.find(e.name);
+      if (it == header.end() || !it->is_object()) {
+        return absl::InvalidArgumentError(absl::StrCat("the state file has no tensor '", e.name,
+                                                       "': it was saved for another optimizer layout"));
+      }
+      const auto& t = *it;
+      if (t.value("dtype", "") != e.dtype || !t.contains("shape") || t["shape"] != nlohmann::json::array({e.numel}) ||
+          !t.contains("data_offsets") || !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
+          !t["data_offsets"][0].is_number_unsigned() || !t["data_offsets"][1].is_number_unsigned()) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", e.name, "' in the state file is ", t.dump(),
+                                                       "; expected dtype ", e.dtype, " and shape [", e.numel, "]"));
+      }
+      const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+      if (end < begin || end - begin != e.bytes || end > data_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", e.name, "' has data offsets [", begin, ", ", end,
+                                                       ") that do not fit ", e.bytes, " bytes in the file"));
+      }
+      sources.push_back({data_start + begin, e.bytes, e.data});
+    }
+  }
+  if (header.size() != expected_entries) {
+    return absl::InvalidArgumentError(absl::StrCat("the state file holds ", header.size() - 1, " tensors; this optimizer has ",
+                                                   expected_entries - 1));
+  }
+  // Read everything into a staging copy first, so a short read changes nothing.
+  uint64_t total = 0;
+  for (const auto& s : sources) total += s.bytes;
+  std::vector<char> staging(total);
+  uint64_t at = 0;
+  for (const auto& s : sources) {
+    if (absl::Status st = ReadAll(fd, staging.data() + at, s.bytes, s.begin); !st.ok()) return st;
+    at += s.bytes;
+  }
+  at = 0;
+  for (const auto& s : sources) {
+    std::memcpy(s.dest, staging.data() + at, s.bytes);
+    at += s.bytes;
+  }
+  for (size_t b = 0; b < runs_.size(); ++b) {
+    runs_[b]->steps = steps[b];
+    page_.buckets[b].steps.store(static_cast<uint32_t>(steps[b]), std::memory_order_relaxed);
+  }
+  return file_bytes;
+}
+
+}  // namespace tsd

@@ -1,0 +1,57 @@
+// WorkerPool runs the optimizer's work on a fixed set of CPU threads shared by every job. Work
+// arrives as small tasks (a chunk of one bucket) in per-job queues, and the workers take tasks
+// from the queues in turn: a job with ten times the parameters gets no more than its turn, so it
+// cannot starve a small one. A job's queue can be cancelled; `Cancel` returns once none of the
+// job's tasks runs any more.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tsd {
+
+class WorkerPool final {
+ public:
+  class Queue;
+  // `threads` workers (at least 1); with `pin`, worker i is pinned to the i-th allowed CPU.
+  WorkerPool(int threads, bool pin);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // A queue for one job.
+  std::shared_ptr<Queue> NewQueue();
+  // Adds tasks to `queue`; they run in the order given, interleaved fairly with other queues.
+  void Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks);
+  // Drops the queue's pending tasks and waits for its running ones; later Submits are ignored.
+  void Cancel(const std::shared_ptr<Queue>& queue);
+  int threads() const { return static_cast<int>(workers_.size()); }
+
+  class Queue {
+   private:
+    friend class WorkerPool;
+    std::deque<std::function<void()>> tasks;
+    int running = 0;
+    bool cancelled = false;
+    bool listed = false;  // in the pool's round-robin list
+  };
+
+ private:
+  void Work();
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;  // tasks arrived, or stopping
+  std::condition_variable idle_cv_;  // a task finished (for Cancel)
+  std::list<std::shared_ptr<Queue>> ready_;  // queues with tasks, in round-robin order
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace tsd

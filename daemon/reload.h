@@ -1,0 +1,43 @@
+// Reloader applies the configuration again while the daemon runs (SIGHUP), without dropping a
+// job: it parses the saved command line again (so flags keep winning) over the config file read
+// anew, and applies the difference all or nothing.
+//
+// Applied live: log_level, pool_size (larger, or smaller but not below what jobs hold),
+// max_job_quota (for jobs created from now on; existing jobs keep their quota), orphan_grace.
+// Not applied live: socket, socket_group, metrics_listen (they would need new sockets),
+// optimizer_threads and pin_optimizer_threads (the engine's threads are started once). A
+// reload that changes one of those, names a pool smaller than what is held, a pool too large to
+// lock, or a file that does not parse is refused as a whole: the error says why, and every
+// setting keeps its value.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/config.h"
+#include "daemon/registry.h"
+
+namespace tsd {
+
+class Reloader final {
+ public:
+  // `current` is what the daemon runs with; `pool_locked` says whether its regions are mlock()ed
+  // (then a larger pool must still be lockable).
+  Reloader(Config current, Registry& registry, bool pool_locked)
+      : current_(std::move(current)), registry_(registry), pool_locked_(pool_locked) {}
+
+  // Loads the configuration again and applies it. Returns what changed ("log_level info ->
+  // debug, pool_size 64MiB -> 128MiB (...)", or "nothing changed"); an error changed nothing.
+  absl::StatusOr<std::string> Reload();
+  // Applies `next`, a loaded configuration, all or nothing.
+  absl::StatusOr<std::string> Apply(const Config& next);
+
+  const Config& current() const { return current_; }
+
+ private:
+  Config current_;
+  Registry& registry_;
+  const bool pool_locked_;
+};
+
+}  // namespace tsd

@@ -1,0 +1,94 @@
+// The optimizer's control page: the hot path between a training process and tsd.
+//
+// A region of the job ("opt/control") that both sides map. The client marks a bucket's gradients
+// ready and the daemon marks it updated, with atomic counters and futex wake-ups, so a bucket
+// round trip costs microseconds and no gRPC call. The layout is part of the protocol, versioned
+// with tsd.proto (kControlPageVersion).
+//
+// Per bucket b, a delivery is one gradient of the bucket written into its grad slot. The client:
+//   1. waits until done[b] == ready[b] (the slot is free again),
+//   2. writes the gradient into the slot, sets flags[b] (kFirst: start accumulating afresh;
+//      kFinal: apply the optimizer after this delivery), and for a kFinal delivery the group's
+//      hyperparameters in groups[] (before the first kFinal delivery of a step),
+//   3. stores ready[b] = done[b] + 1 (release), increments `doorbell` and FUTEX_WAKEs it.
+// The daemon accumulates or steps, then stores done[b] = ready[b] (release), increments
+// `completions` and FUTEX_WAKEs it. With clipping (max_grad_norm > 0), kFinal deliveries are
+// held until the client increments `commit` (its step() call); then the daemon computes the global
+// norm over the held buckets and updates them all.
+//
+// The daemon trusts nothing here: a counter that is not exactly done+1 or done, unknown flag
+// bits, out-of-range hyperparameters or a bad commit counter close the session with a logged
+// reason (written to `error` as well).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace tsd::wire {
+
+inline constexpr uint32_t kControlPageMagic = 0x54534450;  // "TSDP"
+inline constexpr uint32_t kControlPageVersion = 1;
+
+// Bits of ControlBucket::flags.
+inline constexpr uint32_t kDeliveryFirst = 1u << 0;
+inline constexpr uint32_t kDeliveryFinal = 1u << 1;
+inline constexpr uint32_t kDeliveryKnownFlags = kDeliveryFirst | kDeliveryFinal;
+
+// Per-group hyperparameters, written by the client, read by the daemon at update time.
+struct alignas(64) ControlGroup {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+};
+
+// Per-bucket counters. One cache line each, so the two sides do not false-share neighbours.
+struct alignas(64) ControlBucket {
+  std::atomic<uint64_t> ready;  // written by the client
+  std::atomic<uint64_t> done;   // written by the daemon
+  std::atomic<uint32_t> flags;  // written by the client before `ready`
+  std::atomic<uint32_t> steps;  // written by the daemon: optimizer steps applied to this bucket
+};
+
+struct alignas(64) ControlHeader {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t num_groups;
+  uint32_t num_buckets;
+  alignas(64) std::atomic<uint32_t> doorbell;     // client increments and wakes (futex word)
+  alignas(64) std::atomic<uint32_t> completions;  // daemon increments and wakes (futex word)
+  alignas(64) std::atomic<uint64_t> commit;       // client: step() calls (for clipping)
+  std::atomic<uint64_t> committed;                // daemon: commits fully applied
+  std::atomic<uint32_t> failed;                   // daemon: nonzero once the session is closed
+  char error[252];                                // daemon: why (NUL-terminated)
+  alignas(64) double last_grad_norm;              // daemon: the global norm of the last commit
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
+              "control page counters must be lock-free to live in shared memory");
+
+// Byte offsets of the page's parts for `groups` groups and `buckets` buckets.
+inline constexpr size_t ControlGroupsOffset() { return sizeof(ControlHeader); }
+inline constexpr size_t ControlBucketsOffset(uint32_t groups) {
+  return sizeof(ControlHeader) + static_cast<size_t>(groups) * sizeof(ControlGroup);
+}
+inline constexpr size_t ControlPageBytes(uint32_t groups, uint32_t buckets) {
+  return ControlBucketsOffset(groups) + static_cast<size_t>(buckets) * sizeof(ControlBucket);
+}
+
+// Typed view of a mapped control page (no ownership).
+struct ControlView {
+  ControlHeader* header = nullptr;
+  ControlGroup* groups = nullptr;
+  ControlBucket* buckets = nullptr;
+
+  static ControlView Of(void* base, uint32_t groups) {
+    auto* p = static_cast<char*>(base);
+    return {reinterpret_cast<ControlHeader*>(p), reinterpret_cast<ControlGroup*>(p + ControlGroupsOffset()),
+            reinterpret_cast<ControlBucket*>(p + ControlBucketsOffset(groups))};
+  }
+};
+
+}  // namespace tsd::wire

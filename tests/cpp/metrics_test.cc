@@ -1,0 +1,103 @@
+// The Metrics class on its own: what the optimizer engine's Record* calls export, that pool and
+// job figures come from the Registry at each scrape, and that a released job's series go away.
+#include "daemon/metrics.h"
+
+#include <unistd.h>
+
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "daemon/registry.h"
+
+namespace tsd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// A registry with one live job, `name` (attach and hello, as the side socket would).
+std::unique_ptr<Registry> RegistryWithJob(const std::string& name, v1::SessionRef* ref) {
+  RegistryOptions o;
+  o.pool_bytes = 64 << 20;
+  o.max_job_quota_bytes = 32 << 20;
+  auto r = std::make_unique<Registry>(o);
+  auto grant = r->BeginAttach(name, 0);
+  EXPECT_TRUE(grant.ok());
+  const std::string token(grant->token.begin(), grant->token.end());
+  EXPECT_TRUE(r->CompleteHello(grant->session_id, token, getuid(), getpid()).ok());
+  ref->set_session_id(grant->session_id);
+  ref->set_token(token);
+  return r;
+}
+
+TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("job-a", &ref);
+  ASSERT_TRUE(registry->Alloc(ref, "r", 1 << 20).ok());
+  Metrics metrics(*registry);
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, HasSubstr("tsd_pool_bytes 67108864\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_pool_used_bytes 1048576\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_max_job_quota_bytes 33554432\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_jobs 1\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_sessions 1\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_job_used_bytes{job_name=\"job-a\"} 1048576\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_job_quota_bytes{job_name=\"job-a\"} 33554432\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_job_regions{job_name=\"job-a\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_pool_locked_bytes 0\n"));  // lock_memory is off here
+  EXPECT_THAT(text, HasSubstr("# TYPE tsd_pool_bytes gauge\n"));
+  EXPECT_EQ(metrics.port(), 0);  // not listening
+}
+
+TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("job-a", &ref);
+  Metrics metrics(*registry);
+  metrics.RecordBucketUpdate("job-a", 0.0003, 1000);
+  metrics.RecordBucketUpdate("job-a", 0.002, 500);
+  metrics.RecordStep("job-a");
+  metrics.RecordStep("job-a");
+  metrics.RecordStep("job-a");
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, HasSubstr("# TYPE tsd_optimizer_steps_total counter\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 3\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_optimizer_params_total{job_name=\"job-a\"} 1500\n"));
+  EXPECT_THAT(text, HasSubstr("# TYPE tsd_bucket_update_seconds histogram\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_count{job_name=\"job-a\"} 2\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_sum{job_name=\"job-a\"} 0.0023"));
+  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.00025\"} 0\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.0005\"} 1\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"+Inf\"} 2\n"));
+}
+
+TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("job-a", &ref);
+  Metrics metrics(*registry);
+  metrics.RecordStep("job-a");
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 1\n"));
+  ASSERT_TRUE(registry->Detach(ref).ok());  // the last session: the job is released
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, Not(HasSubstr("job-a")));
+  EXPECT_THAT(text, HasSubstr("tsd_jobs 0\n"));
+  // A series recorded after the view was taken survives one scrape (it may be a newer job).
+  metrics.RecordStep("job-b");
+  EXPECT_THAT(metrics.Render(), Not(HasSubstr("job-b")));  // created before this scrape, no job
+}
+
+TEST(Metrics, ListenReportsAPortAndATakenOneIsAnError) {
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("job-a", &ref);
+  Metrics first(*registry);
+  ASSERT_TRUE(first.Listen("127.0.0.1:0").ok());
+  ASSERT_GT(first.port(), 0);
+  Metrics second(*registry);
+  const absl::Status taken = second.Listen("127.0.0.1:" + std::to_string(first.port()));
+  EXPECT_EQ(taken.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(taken.message()), HasSubstr("metrics_listen"));
+}
+
+}  // namespace
+}  // namespace tsd

@@ -1,0 +1,428 @@
+// The optimizer engine end to end, through a real daemon: AdamW equal to torch.optim.AdamW's
+// arithmetic over 20 steps (two groups, weight decay, a changing lr, accumulation, clipping), bf16
+// slots, two jobs at once, state saved and loaded bit-exactly, unsupported options refused, a
+// client killed mid-update, and garbage on the control page.
+#include <signal.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "daemon_process.h"
+#include "proto/control_page.h"
+#include "tsd/client.h"
+#include "tsd/optimizer.h"
+
+namespace tsd::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+// torch.optim.AdamW (single tensor, foreach=False) for fp32 tensors on a CPU, written out plainly:
+// the reference the daemon must match. Hyperparameter arithmetic in double, as Python does it; the
+// per-element arithmetic as ATen's vectorised CPU kernels do it (lerp and addcmul fused with fma).
+struct RefParam {
+  std::vector<float> p, m, v, acc;
+  int64_t step = 0;
+};
+
+void RefStep(RefParam& t, const std::vector<float>& g, const GroupHyper& h, float grad_scale) {
+  t.step += 1;
+  const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t.step));
+  const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(t.step));
+  const float step_size = static_cast<float>(h.lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
+  for (size_t i = 0; i < t.p.size(); ++i) {
+    const float gi = grad_scale == 1.0f ? g[i] : g[i] * grad_scale;
+    t.p[i] *= decay;                                                         // param.mul_(1 - lr*wd)
+    t.m[i] = std::fma(static_cast<float>(1 - h.beta1), gi - t.m[i], t.m[i]);  // exp_avg.lerp_(g, 1-beta1)
+    t.v[i] = std::fma(static_cast<float>(1 - h.beta2) * gi, gi, t.v[i] * static_cast<float>(h.beta2));
+    const float denom = std::sqrt(t.v[i]) / bc2_sqrt + static_cast<float>(h.eps);
+    t.p[i] = t.p[i] + (-step_size * t.m[i]) / denom;                          // addcdiv_(m, denom, -step_size)
+  }
+}
+
+std::vector<float> RandomVec(size_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> d(0, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double MaxRelDiff(const float* a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(a[i]) - b[i]);
+    worst = std::max(worst, diff / std::max(1e-3, std::fabs(static_cast<double>(b[i]))));
+  }
+  return worst;
+}
+
+struct Setup {
+  std::unique_ptr<tsd::Client> client;
+  std::unique_ptr<Optimizer> opt;
+};
+
+Setup Attach(DaemonProcess& d, const std::string& job, const OptimizerSpec& spec, uint64_t quota = 0) {
+  Setup s;
+  s.client = d.Connect();
+  EXPECT_TRUE(s.client->Attach(job, quota).ok());
+  auto opt = s.client->RegisterOptimizer(spec);
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  if (opt.ok()) s.opt = std::move(*opt);
+  return s;
+}
+
+// 20 steps, two groups (one without weight decay), lr changing every step, 2 micro-steps of
+// accumulation, clipping by a global norm that bites, buckets large enough to be split across
+// worker threads and small enough to run inline.
+TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "512MiB", "--optimizer-threads", "2"}});
+  ASSERT_TRUE(d);
+  const std::vector<uint64_t> sizes = {1000, 700001, 33, 300000};
+  const std::vector<uint32_t> group_of = {0, 0, 1, 1};
+  OptimizerSpec spec;
+  spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1},
+                 {.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.0}};
+  for (size_t b = 0; b < sizes.size(); ++b) spec.buckets.push_back({group_of[b], sizes[b], DType::kF32, DType::kF32});
+  spec.max_grad_norm = 1.0;
+  spec.accumulate = true;
+  auto s = Attach(*d, "adamw-ref", spec);
+  ASSERT_TRUE(s.opt);
+  std::mt19937 rng(7);
+  std::vector<RefParam> ref(sizes.size());
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    ref[b].p = RandomVec(sizes[b], rng, 0.5f);
+    ref[b].m.assign(sizes[b], 0);
+    ref[b].v.assign(sizes[b], 0);
+    std::memcpy(s.opt->master(b), ref[b].p.data(), sizes[b] * 4);
+  }
+  bool clipped_some = false;
+  for (int step = 1; step <= 20; ++step) {
+    std::vector<GroupHyper> hyper = spec.groups;
+    for (auto& h : hyper) h.lr *= (1.0 + 0.05 * step);  // a scheduler
+    for (size_t g = 0; g < hyper.size(); ++g) s.opt->SetGroup(g, hyper[g]);
+    std::vector<std::vector<float>> acc(sizes.size());
+    for (int micro = 0; micro < 2; ++micro) {
+      for (size_t b = 0; b < sizes.size(); ++b) {
+        ASSERT_TRUE(s.opt->Wait(b).ok());
+        auto g = RandomVec(sizes[b], rng, step < 5 ? 2.0f : 0.01f);
+        std::memcpy(s.opt->grad(b), g.data(), sizes[b] * 4);
+        ASSERT_TRUE(s.opt->Ready(b, micro == 0, micro == 1).ok());
+        if (micro == 0) {
+          acc[b] = g;
+        } else {
+          for (size_t i = 0; i < g.size(); ++i) acc[b][i] += g[i];
+        }
+      }
+    }
+    ASSERT_TRUE(s.opt->Commit().ok());
+    double total = 0;
+    for (const auto& a : acc) {
+      for (float x : a) total += static_cast<double>(x) * x;
+    }
+    const float norm = static_cast<float>(std::sqrt(total));
+    float coef = 1.0f / (norm + 1e-6f);
+    if (coef > 1.0f) coef = 1.0f;
+    clipped_some |= coef < 1.0f;
+    EXPECT_NEAR(s.opt->last_grad_norm(), norm, 1e-5 * norm);
+    for (size_t b = 0; b < sizes.size(); ++b) RefStep(ref[b], acc[b], hyper[group_of[b]], coef);
+  }
+  EXPECT_TRUE(clipped_some);
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    EXPECT_EQ(s.opt->steps(b), 20u);
+    const double rel = MaxRelDiff(s.opt->master(b), ref[b].p);
+    EXPECT_LE(rel, 1e-6) << "bucket " << b;
+    EXPECT_EQ(std::memcmp(s.opt->param(b), s.opt->master(b), sizes[b] * 4), 0);  // fp32 param slot
+  }
+}
+
+TEST(Optimizer, Bf16SlotsAndNoClipOverlapPath) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{.lr = 1e-2, .weight_decay = 0.01}};
+  spec.buckets = {{0, 500000, DType::kBF16, DType::kBF16}, {0, 17, DType::kF16, DType::kF16}};
+  auto s = Attach(*d, "bf16", spec);
+  ASSERT_TRUE(s.opt);
+  std::mt19937 rng(3);
+  std::vector<RefParam> ref(2);
+  for (size_t b = 0; b < 2; ++b) {
+    ref[b].p = RandomVec(spec.buckets[b].numel, rng, 1.0f);
+    ref[b].m.assign(ref[b].p.size(), 0);
+    ref[b].v.assign(ref[b].p.size(), 0);
+    std::memcpy(s.opt->master(b), ref[b].p.data(), ref[b].p.size() * 4);
+  }
+  auto to_bf16 = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return static_cast<uint16_t>(u >> 16); };
+  for (int step = 0; step < 5; ++step) {
+    for (size_t b = 0; b < 2; ++b) {
+      const size_t n = ref[b].p.size();
+      auto g = RandomVec(n, rng, 0.1f);
+      std::vector<float> g_seen(n);
+      auto* slot = static_cast<uint16_t*>(s.opt->grad(b));
+      for (size_t i = 0; i < n; ++i) {
+        if (b == 0) {
+          slot[i] = to_bf16(g[i]);
+          uint32_t u = static_cast<uint32_t>(slot[i]) << 16;
+          std::memcpy(&g_seen[i], &u, 4);
+        } else {
+          _Float16 h = static_cast<_Float16>(g[i]);
+          std::memcpy(&slot[i], &h, 2);
+          g_seen[i] = static_cast<float>(h);
+        }
+      }
+      ASSERT_TRUE(s.opt->Ready(b).ok());
+      RefStep(ref[b], g_seen, spec.groups[0], 1.0f);
+    }
+    ASSERT_TRUE(s.opt->WaitAll().ok());
+  }
+  EXPECT_LE(MaxRelDiff(s.opt->master(0), ref[0].p), 1e-6);
+  EXPECT_LE(MaxRelDiff(s.opt->master(1), ref[1].p), 1e-6);
+  const auto* out = static_cast<const uint16_t*>(s.opt->param(0));
+  for (size_t i = 0; i < ref[0].p.size(); i += 997) EXPECT_EQ(out[i], to_bf16(s.opt->master(0)[i])) << i;
+}
+
+// Runs `steps` steps of a fixed workload and returns the master weights.
+std::vector<float> RunWorkload(Optimizer& opt, uint64_t seed, int steps) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const size_t n = opt.numel(0);
+  auto p = RandomVec(n, rng, 1.0f);
+  std::memcpy(opt.master(0), p.data(), n * 4);
+  for (int s = 0; s < steps; ++s) {
+    auto g = RandomVec(n, rng, 0.1f);
+    std::memcpy(opt.grad(0), g.data(), n * 4);
+    EXPECT_TRUE(opt.Ready(0).ok());
+    EXPECT_TRUE(opt.Wait(0).ok());
+  }
+  return std::vector<float>(opt.master(0), opt.master(0) + n);
+}
+
+TEST(Optimizer, TwoJobsSteppingAtOnceEqualEachAlone) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "512MiB", "--optimizer-threads", "2"}});
+  ASSERT_TRUE(d);
+  OptimizerSpec big, small;
+  big.groups = small.groups = {{.lr = 1e-3}};
+  big.buckets = {{0, 4000000, DType::kF32, DType::kF32}};
+  small.buckets = {{0, 40000, DType::kF32, DType::kF32}};
+  std::vector<float> big_alone, small_alone, big_both, small_both;
+  {
+    auto a = Attach(*d, "big", big);
+    big_alone = RunWorkload(*a.opt, 1, 10);
+  }
+  {
+    auto b = Attach(*d, "small", small);
+    small_alone = RunWorkload(*b.opt, 2, 10);
+  }
+  auto a = Attach(*d, "big2", big);
+  auto b = Attach(*d, "small2", small);
+  std::thread ta([&] { big_both = RunWorkload(*a.opt, 1, 10); });
+  std::thread tb([&] { small_both = RunWorkload(*b.opt, 2, 10); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(big_alone, big_both);
+  EXPECT_EQ(small_alone, small_both);
+}
+
+TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{.lr = 1e-3}};
+  spec.buckets = {{0, 300000, DType::kF32, DType::kBF16}, {0, 1000, DType::kF32, DType::kF32}};
+  spec.moment_dtype = DType::kBF16;
+  auto run = [](Optimizer& opt, std::mt19937& rng, int steps) {
+    for (int s = 0; s < steps; ++s) {
+      for (size_t b = 0; b < opt.num_buckets(); ++b) {
+        auto g = RandomVec(opt.numel(b), rng, 0.1f);
+        std::memcpy(opt.grad(b), g.data(), g.size() * 4);
+        ASSERT_TRUE(opt.Ready(b).ok());
+      }
+      ASSERT_TRUE(opt.WaitAll().ok());
+    }
+  };
+  auto a = Attach(*d, "uninterrupted", spec);
+  std::mt19937 rng(11);
+  for (size_t b = 0; b < 2; ++b) {
+    auto p = RandomVec(a.opt->numel(b), rng, 1.0f);
+    std::memcpy(a.opt->master(b), p.data(), p.size() * 4);
+  }
+  run(*a.opt, rng, 5);
+  const int file = memfd_create("state", MFD_CLOEXEC);
+  auto saved = a.opt->SaveState(file);
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_GT(*saved, 300000u * 8);
+  std::mt19937 rng_resume = rng;
+  run(*a.opt, rng, 5);
+  // A fresh job loads the state and runs the same last 5 steps.
+  auto b = Attach(*d, "resumed", spec);
+  auto loaded = b.opt->LoadState(file);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, *saved);
+  EXPECT_EQ(b.opt->steps(0), 5u);
+  run(*b.opt, rng_resume, 5);
+  for (size_t bk = 0; bk < 2; ++bk) {
+    EXPECT_EQ(std::memcmp(a.opt->master(bk), b.opt->master(bk), a.opt->numel(bk) * 4), 0) << bk;
+    EXPECT_EQ(b.opt->steps(bk), 10u);
+  }
+  // Saving again gives the same bytes as the uninterrupted run's state.
+  const int fa = memfd_create("a", MFD_CLOEXEC), fb = memfd_create("b", MFD_CLOEXEC);
+  ASSERT_TRUE(a.opt->SaveState(fa).ok());
+  ASSERT_TRUE(b.opt->SaveState(fb).ok());
+  const off_t size = lseek(fa, 0, SEEK_END);
+  ASSERT_EQ(size, lseek(fb, 0, SEEK_END));
+  std::vector<char> ba(static_cast<size_t>(size)), bb(static_cast<size_t>(size));
+  ASSERT_EQ(pread(fa, ba.data(), ba.size(), 0), size);
+  ASSERT_EQ(pread(fb, bb.data(), bb.size(), 0), size);
+  EXPECT_EQ(ba, bb);
+  // A state of another layout, a corrupt file and a pipe are refused and change nothing.
+  const std::vector<float> before(b.opt->master(1), b.opt->master(1) + 1000);
+  OptimizerSpec other = spec;
+  other.buckets[1].numel = 999;
+  auto c = Attach(*d, "other-layout", other);
+  auto refused = c.opt->LoadState(fa);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("b1.master"));
+  ASSERT_EQ(pwrite(fb, "garbage!", 8, 0), 8);
+  EXPECT_EQ(b.opt->LoadState(fb).status().code(), absl::StatusCode::kInvalidArgument);
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  EXPECT_THAT(std::string(b.opt->SaveState(pipefd[1]).status().message()), HasSubstr("regular file"));
+  EXPECT_EQ(std::vector<float>(b.opt->master(1), b.opt->master(1) + 1000), before);
+  close(pipefd[0]);
+  close(pipefd[1]);
+  close(file);
+  close(fa);
+  close(fb);
+}
+
+TEST(Optimizer, UnsupportedOptionsAndBadLayoutsAreRefused) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  auto c = d->Connect();
+  ASSERT_TRUE(c->Attach("refusals", 64 << 20).ok());
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 1000, DType::kF32, DType::kF32}};
+  OptimizerSpec ams = spec;
+  ams.amsgrad = true;
+  auto r = c->RegisterOptimizer(ams);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("amsgrad"));
+  OptimizerSpec max = spec;
+  max.maximize = true;
+  EXPECT_THAT(std::string(c->RegisterOptimizer(max).status().message()), HasSubstr("maximize"));
+  OptimizerSpec f16 = spec;
+  f16.moment_dtype = DType::kF16;
+  EXPECT_EQ(c->RegisterOptimizer(f16).status().code(), absl::StatusCode::kInvalidArgument);
+  OptimizerSpec bad_group = spec;
+  bad_group.buckets[0].group = 5;
+  EXPECT_THAT(std::string(c->RegisterOptimizer(bad_group).status().message()), HasSubstr("names group 5"));
+  OptimizerSpec bad_beta = spec;
+  bad_beta.groups[0].beta2 = 1.0;
+  EXPECT_THAT(std::string(c->RegisterOptimizer(bad_beta).status().message()), HasSubstr("beta2"));
+  OptimizerSpec too_big = spec;
+  too_big.buckets[0].numel = 10ull << 20;  // 10M params need 160 MiB: over the 64 MiB quota
+  auto over = c->RegisterOptimizer(too_big);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("quota"));
+  EXPECT_EQ(c->Status()->used_bytes, 0u);  // nothing was left behind
+  auto ok = c->RegisterOptimizer(spec);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(c->RegisterOptimizer(spec).status().code(), absl::StatusCode::kAlreadyExists);
+  // Optimizer regions are the daemon's: a client can neither create nor free them by name.
+  EXPECT_EQ(c->Alloc("opt/mine", 4096).status().code(), absl::StatusCode::kInvalidArgument);
+  auto master = c->Map("opt/master");
+  ASSERT_TRUE(master.ok());
+  EXPECT_EQ(c->Free(*master).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 1000, DType::kF32, DType::kF32}, {0, 1000, DType::kF32, DType::kF32}};
+  auto bystander = Attach(*d, "bystander", spec);
+  ASSERT_TRUE(bystander.opt);
+  struct Case {
+    const char* what;
+    std::function<void(wire::ControlView)> poke;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"skipped counter", [](wire::ControlView v) { v.buckets[0].ready.store(5); }, "may only advance by one"},
+      {"wrapped counter", [](wire::ControlView v) { v.buckets[1].ready.store(~0ull); }, "may only advance by one"},
+      {"unknown flags", [](wire::ControlView v) { v.buckets[0].flags.store(0xF0); v.buckets[0].ready.store(1); }, "unknown flag bits"},
+      {"NaN learning rate", [](wire::ControlView v) { v.groups[0].lr = std::nan(""); v.buckets[0].flags.store(3); v.buckets[0].ready.store(1); }, "invalid learning rate"},
+      {"accumulation not registered", [](wire::ControlView v) { v.buckets[0].flags.store(1); v.buckets[0].ready.store(1); }, "without accumulate"},
+      {"bad commit", [](wire::ControlView v) { v.header->commit.store(7); }, "commit counter"},
+  };
+  for (const auto& tc : cases) {
+    auto victim = Attach(*d, std::string("victim-") + std::to_string(&tc - cases), spec);
+    ASSERT_TRUE(victim.opt) << tc.what;
+    auto page = victim.client->Map("opt/control");
+    ASSERT_TRUE(page.ok());
+    auto view = wire::ControlView::Of((*page)->data(), 1);
+    tc.poke(view);
+    view.header->doorbell.fetch_add(1);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&view.header->doorbell), FUTEX_WAKE, 1, nullptr, nullptr, 0);
+    ASSERT_TRUE(WaitFor([&] { return view.header->failed.load() != 0; }, 5)) << tc.what << ": not detected";
+    auto refused = victim.opt->Commit(absl::Seconds(5));
+    EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << tc.what << ": " << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr(tc.says)) << tc.what;
+    EXPECT_TRUE(WaitFor([&] { return !victim.client->ListRegions().ok(); }, 2)) << tc.what << ": session not closed";
+    EXPECT_THAT(d->log(), HasSubstr("event=optimizer_failed")) << tc.what;
+    EXPECT_THAT(d->log(), HasSubstr("reason=optimizer_failed")) << tc.what;
+  }
+  // The bystander's optimizer keeps working.
+  std::memset(bystander.opt->grad(0), 0, 4000);
+  ASSERT_TRUE(bystander.opt->Ready(0).ok());
+  ASSERT_TRUE(bystander.opt->Wait(0).ok());
+  EXPECT_EQ(bystander.opt->steps(0), 1u);
+}
+
+TEST(Optimizer, ClientKilledWhileItsBucketIsUpdated) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "1GiB"}});
+  ASSERT_TRUE(d);
+  auto observer = d->Connect();
+  ASSERT_TRUE(observer->Attach("observer").ok());
+  for (int round = 0; round < 5; ++round) {
+    int out[2];
+    ASSERT_EQ(pipe(out), 0);
+    const pid_t pid = fork();
+    if (pid == 0) {
+      dup2(out[1], 1);
+      execl(TSD_TEST_CLIENT, TSD_TEST_CLIENT, "optimizer-loop", d->socket().c_str(), "killed-mid-step", nullptr);
+      _exit(127);
+    }
+    close(out[1]);
+    char buf[32] = {};
+    ASSERT_GT(read(out[0], buf, sizeof(buf) - 1), 0);
+    close(out[0]);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 + 15 * round));
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    ASSERT_TRUE(WaitFor([&] { return observer->Status()->used_bytes == 0 && observer->Status()->jobs == 1; }, 5))
+        << "round " << round;
+  }
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 100000, DType::kF32, DType::kF32}};
+  auto after = observer->RegisterOptimizer(spec);
+  ASSERT_TRUE(after.ok());
+  ASSERT_TRUE((*after)->Ready(0).ok());
+  EXPECT_TRUE((*after)->Wait(0).ok());
+}
+
+}  // namespace
+}  // namespace tsd::testing
