@@ -1,0 +1,76 @@
+// The optimizer's worker pool: fair turns between jobs, and cancellation that waits for running
+// work and drops the rest.
+#include "daemon/optimizer/worker_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace tsd {
+namespace {
+
+// One worker, a big job with 40 queued chunks and a small job with 2 submitted after it: the
+// small job's chunks run within its next two turns, not after the big job's backlog.
+TEST(WorkerPool, ASmallJobIsNotStarvedByABigOne) {
+  WorkerPool pool(1, false);
+  auto big = pool.NewQueue(), small = pool.NewQueue();
+  std::mutex mu;
+  std::vector<char> order;
+  std::atomic<bool> release{false};
+  // Hold the worker on a first task so both queues are full when it starts taking turns.
+  pool.Submit(big, {[&] {
+                while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+              }});
+  std::vector<std::function<void()>> big_tasks, small_tasks;
+  for (int i = 0; i < 40; ++i) big_tasks.push_back([&] { std::lock_guard<std::mutex> l(mu); order.push_back('B'); });
+  for (int i = 0; i < 2; ++i) small_tasks.push_back([&] { std::lock_guard<std::mutex> l(mu); order.push_back('s'); });
+  pool.Submit(big, std::move(big_tasks));
+  pool.Submit(small, std::move(small_tasks));
+  release.store(true);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      if (order.size() == 42) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> l(mu);
+  // Round robin: the two queues alternate while both have work (BsBs... or sBsB...), so both of
+  // the small job's chunks run among the first four, ahead of the big job's backlog.
+  const std::string seen(order.begin(), order.end());
+  EXPECT_EQ(std::count(seen.begin(), seen.begin() + 4, 's'), 2) << seen;
+  EXPECT_TRUE(seen.substr(0, 4) == "BsBs" || seen.substr(0, 4) == "sBsB") << seen;
+}
+
+TEST(WorkerPool, CancelDropsPendingAndWaitsForRunning) {
+  WorkerPool pool(2, false);
+  auto q = pool.NewQueue();
+  std::atomic<int> ran{0};
+  std::atomic<bool> running{false}, finished{false};
+  std::vector<std::function<void()>> tasks;
+  tasks.push_back([&] {
+    running.store(true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    finished.store(true);
+  });
+  for (int i = 0; i < 1000; ++i) tasks.push_back([&] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); ++ran; });
+  pool.Submit(q, std::move(tasks));
+  while (!running.load()) std::this_thread::yield();
+  pool.Cancel(q);
+  EXPECT_TRUE(finished.load()) << "Cancel must wait for the running task";
+  const int after_cancel = ran.load();
+  EXPECT_LT(after_cancel, 1000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(ran.load(), after_cancel) << "no task of a cancelled queue may start";
+  pool.Submit(q, {[&] { ++ran; }});  // ignored
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(ran.load(), after_cancel);
+}
+
+}  // namespace
+}  // namespace tsd
