@@ -24,13 +24,12 @@ set(CPACK_PACKAGE_VENDOR TrainStream)
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY
     "TrainStream daemon: lends locked host memory to training processes")
-set(CPACK_DEBIAN_PACKAGE_DESCRIPTION
-    "TrainStream daemon: lends locked host memory to training processes
- tsd owns a node's locked host memory and lends it to training processes, which
- attach over a local socket and map it as file descriptors. Several jobs share
- one pool with quotas. This package holds the daemon (tsd), its systemd unit and
- configuration, the inspection tool (tsctl), and the C++ client library
- (libtsclient) with its headers.")
+set(CPACK_PACKAGE_DESCRIPTION
+    "tsd owns a node's locked host memory and lends it to training processes,
+which attach over a local socket and map it as file descriptors. Several jobs
+share one pool with quotas. This package holds the daemon (tsd), its systemd
+unit and configuration, the inspection tool (tsctl), and the C++ client
+library (libtsclient) with its headers.")
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)  # tsd_<version>_<arch>.deb
 set(CPACK_DEBIAN_PACKAGE_MAINTAINER "TrainStream engineers <tsd@trainstream.invalid>")
 set(CPACK_DEBIAN_PACKAGE_SECTION admin)

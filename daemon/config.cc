@@ -78,11 +78,13 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     if (!known) {
       std::vector<std::string> names;
       for (const auto& [name, field] : strings) names.push_back(name);
+      names.insert(names.end(), {"optimizer_threads", "pin_optimizer_threads"});
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown setting '",
                                                      std::string(key.str()), "'; known are ",
                                                      absl::StrJoin(names, ", ")));
     }
   }
+  c.metrics_listen_set = c.metrics_listen_set || table.contains("metrics_listen");
   return absl::OkStatus();
 }
 
@@ -257,7 +259,10 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (*o_log) c.log_level = flags.log_level;
   if (*o_threads) c.optimizer_threads = flags.optimizer_threads;
   if (*o_pin) c.pin_optimizer_threads = flags.pin_optimizer_threads;
-  if (*o_metrics) c.metrics_listen = flags.metrics_listen;
+  if (*o_metrics) {
+    c.metrics_listen = flags.metrics_listen;
+    c.metrics_listen_set = true;
+  }
   c.args.assign(argv, argv + argc);
 
   if (c.socket.empty()) c.socket = DefaultDaemonSocketPath();

@@ -20,6 +20,7 @@ struct Config {
   std::string orphan_grace = "0s";    // how long a job without live sessions keeps its memory
   std::string log_level = "info";     // trace, debug, info, warn, error, critical, off
   std::string metrics_listen = "127.0.0.1:9464";  // Prometheus endpoint "host:port"; empty = off
+  bool metrics_listen_set = false;  // named by a flag or the file: failing to listen is fatal
   int optimizer_threads = 0;          // optimizer worker threads; 0 = every CPU the daemon may use
   bool pin_optimizer_threads = false; // pin worker i to the i-th allowed CPU
   std::string config_path;            // the file that was read, or empty

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 
@@ -113,6 +114,9 @@ int RunDaemon(const Config& config) {
   const MemlockProbe memlock = ProbeMemlock(config.pool_bytes);
   if (!memlock.can_lock) spdlog::warn("event=pool_not_locked reason=\"{}\"", memlock.reason);
 
+  // Made before the Registry, whose optimizers record into it; it serves only once everything
+  // else is up (below), and stops before the Registry goes.
+  Metrics metrics;
   RegistryOptions options;
   options.pool_bytes = config.pool_bytes;
   options.max_job_quota_bytes = config.max_job_quota_bytes;
@@ -129,10 +133,7 @@ int RunDaemon(const Config& config) {
   spdlog::info("event=optimizer_engine threads={} pinned={} isa={}", threads, config.pin_optimizer_threads,
                kernels::IsaName(options.isa));
   Registry registry(options);
-  Metrics metrics(registry);
-  if (!config.metrics_listen.empty()) {
-    if (absl::Status s = metrics.Listen(config.metrics_listen); !s.ok()) return Fail(s);
-  }
+  metrics.WatchRegistry(registry);
   Reloader reloader(config, registry, memlock.can_lock);
 
   const std::string side_path = wire::SideSocketPath(socket_path);
@@ -154,8 +155,18 @@ int RunDaemon(const Config& config) {
                                                          std::strerror(errno))));
   }
   side.Start();
-  const std::string metrics_at =
-      config.metrics_listen.empty() ? "off" : absl::StrCat(config.metrics_listen, " (port ", metrics.port(), ")");
+  std::string metrics_at = "off";
+  if (!config.metrics_listen.empty()) {
+    if (absl::Status s = metrics.Listen(config.metrics_listen); s.ok()) {
+      metrics_at = absl::StrCat(config.metrics_listen, " (port ", metrics.port(), ")");
+    } else if (config.metrics_listen_set) {
+      return Fail(s);  // asked for by name: a misconfiguration to fix
+    } else {
+      // The default address, taken (e.g. by another tsd on this host): serve without metrics.
+      spdlog::warn("event=metrics_off error=\"{}\"", std::string(s.message()));
+      metrics_at = "off (the default address is taken)";
+    }
+  }
   spdlog::info("event=ready version={} socket={} side_socket={} pool_bytes={} max_job_quota_bytes={} "
                "locked={} orphan_grace={} metrics={} pid={}",
                kVersion, socket_path, side_path, config.pool_bytes, config.max_job_quota_bytes,
@@ -176,6 +187,8 @@ int RunDaemon(const Config& config) {
     LogNotifyError(notifier.Stopping());
     break;
   }
+  // The metrics server takes up to 2 s to stop: let it do so beside the rest.
+  std::thread stop_metrics([&metrics] { metrics.StopServing(); });
   // Stop taking calls (in-flight ones get at most 500 ms), tell clients, release everything.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   side.Shutdown(absl::StrCat("tsd (pid ", getpid(), ") is shutting down: every region was released; "
@@ -183,6 +196,7 @@ int RunDaemon(const Config& config) {
   registry.ReleaseAll();
   server->Wait();
   unlink(socket_path.c_str());
+  stop_metrics.join();
   spdlog::info("event=stopped");
   return 0;
 }

@@ -25,7 +25,8 @@ constexpr char kJobLabel[] = "job_name";
 // From 50 us (a small bucket on one core) to 10 s (a huge bucket on a busy host).
 const prometheus::Histogram::BucketBoundaries& BucketUpdateBounds() {
   static const auto* bounds = new prometheus::Histogram::BucketBoundaries{
-      5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+      5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+      0.05, 0.1,  0.25,   0.5,  1,    2.5,    5,    10};
   return *bounds;
 }
 
@@ -63,8 +64,14 @@ class Metrics::Collector final : public prometheus::Collectable {
   const Metrics& metrics_;
 };
 
-Metrics::Metrics(const Registry& registry)
-    : registry_(registry), optimizer_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry); }
+
+void Metrics::WatchRegistry(const Registry& registry) {
+  absl::MutexLock lock(&mu_);
+  registry_ = &registry;
+}
+
+Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
   steps_ = &prometheus::BuildCounter()
                 .Name("tsd_optimizer_steps_total")
                 .Help("Optimizer steps completed, per job")
@@ -80,8 +87,10 @@ Metrics::Metrics(const Registry& registry)
   collector_ = std::make_shared<Collector>(*this);
 }
 
-Metrics::~Metrics() {
-  exposer_.reset();  // stop serving before the collector and families go away
+Metrics::~Metrics() { StopServing(); }
+
+void Metrics::StopServing() {
+  exposer_.reset();  // before the collector and the families go away
 }
 
 absl::Status Metrics::Listen(const std::string& address) {
@@ -129,11 +138,12 @@ void Metrics::RecordBucketUpdate(const std::string& job, double seconds, uint64_
 
 std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   uint64_t generation;
+  const Registry* registry;
   {
     absl::MutexLock lock(&mu_);
     generation = ++generation_;  // series created from here on survive this scrape
+    registry = registry_;
   }
-  const Registry::MetricsView view = registry_.View();
 
   std::vector<prometheus::MetricFamily> out;
   {
@@ -143,6 +153,11 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   }
   out.push_back(Single("tsd_start_time_seconds", "When the daemon started, in Unix time",
                        absl::ToDoubleSeconds(started_ - absl::UnixEpoch())));
+  if (registry == nullptr) {
+    for (auto& f : optimizer_->Collect()) out.push_back(std::move(f));
+    return out;
+  }
+  const Registry::MetricsView view = registry->View();
   out.push_back(Single("tsd_pool_bytes", "The pool's capacity in bytes",
                        static_cast<double>(view.pool.pool_bytes)));
   out.push_back(Single("tsd_pool_used_bytes", "Bytes of the pool held by jobs",

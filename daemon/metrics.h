@@ -56,8 +56,10 @@ class Registry;
 
 class Metrics final {
  public:
-  // Reads pool and job figures from `registry` (which must outlive this) at each scrape.
-  // Nothing listens until Listen.
+  // Nothing listens until Listen, and pool and job figures come once a registry is watched. The
+  // two steps let the daemon make Metrics before the Registry (whose optimizers record into it).
+  Metrics();
+  // The same, watching `registry` at once.
   explicit Metrics(const Registry& registry);
   ~Metrics();
   Metrics(const Metrics&) = delete;
@@ -66,8 +68,14 @@ class Metrics final {
   // Serves /metrics at `address`: "127.0.0.1:9464", "0.0.0.0:9464", "[::1]:9464" (an IP address,
   // not a host name). An error says why (e.g. the port is taken) and what to do.
   absl::Status Listen(const std::string& address);
+  // Reads pool and job figures from `registry` at each scrape from now on. The registry must
+  // outlive the endpoint: call StopServing before destroying it.
+  void WatchRegistry(const Registry& registry);
   // The port it listens on; 0 when not listening.
   int port() const;
+  // Stops serving (waits up to ~2 s for the HTTP threads: run it beside other shutdown work).
+  // Idempotent; the destructor does it too.
+  void StopServing();
 
   // --- The optimizer engine's API ---
   // One optimizer step of `job` completed (every bucket updated).
@@ -94,7 +102,6 @@ class Metrics final {
   // series of jobs that are gone).
   std::vector<prometheus::MetricFamily> Collect() const;
 
-  const Registry& registry_;
   const absl::Time started_ = absl::Now();
   std::shared_ptr<prometheus::Registry> optimizer_;  // owns the families below
   prometheus::Family<prometheus::Counter>* steps_ = nullptr;
@@ -105,6 +112,7 @@ class Metrics final {
 
   // A scrape prunes the series of released jobs, hence mutable.
   mutable absl::Mutex mu_;
+  const Registry* registry_ ABSL_GUARDED_BY(mu_) = nullptr;
   mutable uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::map<std::string, JobSeries> jobs_ ABSL_GUARDED_BY(mu_);
 };

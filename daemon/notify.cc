@@ -25,8 +25,9 @@ absl::Status SystemdNotifier::Notify(const std::string& state) const {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if ((address_[0] != '/' && address_[0] != '@') || address_.size() > sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "NOTIFY_SOCKET '", address_, "' is neither an absolute path nor an abstract '@name' that fits"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("NOTIFY_SOCKET '", address_,
+                     "' is neither an absolute path nor an abstract '@name' that fits"));
   }
   std::memcpy(addr.sun_path, address_.data(), address_.size());
   socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address_.size());

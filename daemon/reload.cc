@@ -17,7 +17,8 @@ absl::StatusOr<std::string> Reloader::Reload() {
                         absl::StrCat(loaded.status().message(), "; nothing was changed"));
   }
   if (loaded->action != Action::kRun) {
-    return absl::InternalError("the saved command line no longer runs the daemon; nothing was changed");
+    return absl::InternalError(
+        "the saved command line no longer runs the daemon; nothing was changed");
   }
   return Apply(loaded->config);
 }
@@ -44,10 +45,9 @@ absl::StatusOr<std::string> Reloader::Apply(const Config& next) {
   if (pool_locked_ && next.pool_bytes > cur.pool_bytes) {
     const MemlockProbe probe = ProbeMemlock(next.pool_bytes);
     if (!probe.can_lock) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("pool_size '", next.pool_size, "' (", wire::FormatBytes(next.pool_bytes),
-                       ") could not be locked like the current pool: ", probe.reason,
-                       "; nothing was changed"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "pool_size '", next.pool_size, "' (", wire::FormatBytes(next.pool_bytes),
+          ") could not be locked like the current pool: ", probe.reason, "; nothing was changed"));
     }
   }
   if (absl::Status s = registry_.Reconfigure(next.pool_bytes, next.max_job_quota_bytes,
@@ -71,8 +71,7 @@ absl::StatusOr<std::string> Reloader::Apply(const Config& next) {
   if (next.max_job_quota_bytes != cur.max_job_quota_bytes) {
     changes.push_back(absl::StrCat("max_job_quota ", cur.max_job_quota, " -> ", next.max_job_quota,
                                    " (", wire::FormatBytes(cur.max_job_quota_bytes), " -> ",
-                                   wire::FormatBytes(next.max_job_quota_bytes),
-                                   ", for new jobs)"));
+                                   wire::FormatBytes(next.max_job_quota_bytes), ", for new jobs)"));
   }
   if (next.orphan_grace_duration != cur.orphan_grace_duration) {
     changes.push_back(absl::StrCat("orphan_grace ", cur.orphan_grace, " -> ", next.orphan_grace));

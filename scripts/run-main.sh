@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: starts tsd on its default local socket (unless one is already running there),
-# runs the example through it, then stops the tsd it started. Run scripts/setup.sh once first.
+# runs the Python fine-tune through it, then stops the tsd it started. Run scripts/setup.sh once first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh >/dev/null
@@ -13,4 +13,7 @@ if ! build/bin/tsctl --socket "$sock" status >/dev/null 2>&1; then
   for _ in $(seq 100); do build/bin/tsctl --socket "$sock" status >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 build/bin/tsctl --socket "$sock" status
-build/bin/attach_alloc --socket "$sock" --mib 256
+# The Python fine-tune (examples/finetune_tiny.py): a small GPT trained through tsd next to stock
+# AdamW, with the losses side by side and where the memory lives. scripts/setup.sh installed the
+# trainstream package into .venv/.
+.venv/bin/python examples/finetune_tiny.py --socket "$sock"

@@ -9,7 +9,8 @@ DEBS=(build-essential cmake ninja-build pkg-config git
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
       libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libnuma-dev prometheus-cpp-dev
-      libsystemd-dev python3-venv)
+      libsystemd-dev python3-venv
+      systemd file dpkg-dev adduser)  # the package test: systemd-analyze, cpack's dpkg-shlibdeps
 
 missing=()
 for p in "${DEBS[@]}"; do
@@ -28,4 +29,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -r requirements-dev.txt
+# The trainstream package (client-py/): its extension is built against the torch just installed,
+# and against tsclient, which its setup.py builds with CMake into build-py/.
+echo "setup: building the trainstream Python package"
+.venv/bin/python -m pip install -q --no-build-isolation ./client-py
 echo "setup: done"

@@ -32,14 +32,15 @@ int PrintStatus(tsd::Client& client, bool json) {
     return 1;
   }
   if (json) {
-    nlohmann::json j = {{"version", s->version}, {"uptime", s->uptime_s}, {"pool_bytes", s->pool_bytes},
-                        {"used_bytes", s->used_bytes}, {"locked", s->locked}, {"jobs", s->jobs},
+    nlohmann::json j = {{"version", s->version},       {"uptime", s->uptime_s},
+                        {"pool_bytes", s->pool_bytes}, {"used_bytes", s->used_bytes},
+                        {"locked", s->locked},         {"jobs", s->jobs},
                         {"sessions", s->sessions}};
     std::cout << j.dump() << "\n";
     return 0;
   }
-  std::printf("tsd %s (pid %u) at %s, up %.0f s\n", s->version.c_str(), s->pid, client.socket_path().c_str(),
-              s->uptime_s);
+  std::printf("tsd %s (pid %u) at %s, up %.0f s\n", s->version.c_str(), s->pid,
+              client.socket_path().c_str(), s->uptime_s);
   std::printf("pool      %s used of %s (%s)\n", tsd::wire::FormatBytes(s->used_bytes).c_str(),
               tsd::wire::FormatBytes(s->pool_bytes).c_str(), s->locked ? "locked" : "NOT locked");
   std::printf("jobs      %u\nsessions  %u\n", s->jobs, s->sessions);
@@ -55,7 +56,10 @@ int PrintJobs(tsd::Client& client, bool json) {
   if (json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& j : *jobs) {
-      out.push_back({{"name", j.name}, {"uid", j.uid}, {"sessions", j.sessions}, {"used_bytes", j.used_bytes},
+      out.push_back({{"name", j.name},
+                     {"uid", j.uid},
+                     {"sessions", j.sessions},
+                     {"used_bytes", j.used_bytes},
                      {"quota_bytes", j.quota_bytes}});
     }
     std::cout << out.dump() << "\n";
@@ -64,7 +68,8 @@ int PrintJobs(tsd::Client& client, bool json) {
   std::printf("%-32s %8s %8s %12s %12s\n", "JOB", "UID", "SESSIONS", "USED", "QUOTA");
   for (const auto& j : *jobs) {
     std::printf("%-32s %8u %8u %12s %12s\n", j.name.c_str(), j.uid, j.sessions,
-                tsd::wire::FormatBytes(j.used_bytes).c_str(), tsd::wire::FormatBytes(j.quota_bytes).c_str());
+                tsd::wire::FormatBytes(j.used_bytes).c_str(),
+                tsd::wire::FormatBytes(j.quota_bytes).c_str());
   }
   return 0;
 }
@@ -74,7 +79,7 @@ int PrintJobs(tsd::Client& client, bool json) {
 // What `tsctl top` shows and how often.
 struct TopOptions {
   double interval_s = 1.0;
-  int iterations = 0;        // frames to draw, 0 = until 'q' or Ctrl-C
+  int iterations = 0;         // frames to draw, 0 = until 'q' or Ctrl-C
   std::string sort = "used";  // used, quota, name, sessions, rate
   bool batch = false;         // plain frames one after another (also when stdout is no terminal)
 };
@@ -175,8 +180,9 @@ std::vector<std::string> TopFrame(const std::string& socket, const tsd::PoolStat
   out.push_back(line);
   const double pct = s.pool_bytes ? 100.0 * static_cast<double>(s.used_bytes) / s.pool_bytes : 0;
   std::snprintf(line, sizeof(line), "pool: %s used of %s (%.1f%%), %s, %s free; max job quota %s",
-                tsd::wire::FormatBytes(s.used_bytes).c_str(), tsd::wire::FormatBytes(s.pool_bytes).c_str(),
-                pct, s.locked ? "locked" : "NOT locked",
+                tsd::wire::FormatBytes(s.used_bytes).c_str(),
+                tsd::wire::FormatBytes(s.pool_bytes).c_str(), pct,
+                s.locked ? "locked" : "NOT locked",
                 tsd::wire::FormatBytes(s.pool_bytes - std::min(s.used_bytes, s.pool_bytes)).c_str(),
                 tsd::wire::FormatBytes(s.max_job_quota_bytes).c_str());
   out.push_back(line);
@@ -184,13 +190,14 @@ std::vector<std::string> TopFrame(const std::string& socket, const tsd::PoolStat
                 sort.c_str());
   out.push_back(line);
   out.push_back("");
-  std::snprintf(line, sizeof(line), "%-32s %7s %5s %7s %12s %12s %6s %6s %13s", "JOB", "UID", "SESS",
-                "REGIONS", "USED", "QUOTA", "%QUOTA", "%POOL", "RATE");
+  std::snprintf(line, sizeof(line), "%-32s %7s %5s %7s %12s %12s %6s %6s %13s", "JOB", "UID",
+                "SESS", "REGIONS", "USED", "QUOTA", "%QUOTA", "%POOL", "RATE");
   out.push_back(line);
   for (const auto& j : jobs) {
     auto rate = rates.find(j.name);
-    std::snprintf(line, sizeof(line), "%-32s %7u %5u %7u %12s %12s %6.1f %6.1f %13s", j.name.c_str(), j.uid,
-                  j.sessions, j.regions, tsd::wire::FormatBytes(j.used_bytes).c_str(),
+    std::snprintf(line, sizeof(line), "%-32s %7u %5u %7u %12s %12s %6.1f %6.1f %13s",
+                  j.name.c_str(), j.uid, j.sessions, j.regions,
+                  tsd::wire::FormatBytes(j.used_bytes).c_str(),
                   tsd::wire::FormatBytes(j.quota_bytes).c_str(),
                   j.quota_bytes ? 100.0 * static_cast<double>(j.used_bytes) / j.quota_bytes : 0.0,
                   s.pool_bytes ? 100.0 * static_cast<double>(j.used_bytes) / s.pool_bytes : 0.0,
@@ -215,10 +222,12 @@ int RunTop(tsd::Client& client, TopOptions o) {
   for (int frame = 0; !top_stop && (o.iterations == 0 || frame < o.iterations); ++frame) {
     if (frame > 0) {
       // Wait for the next frame; keys: q quits, s cycles the sort order.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.interval_s);
+      const auto until =
+          std::chrono::steady_clock::now() + std::chrono::duration<double>(o.interval_s);
       bool redraw = false;
       while (!top_stop && !redraw) {
-        const double left = std::chrono::duration<double>(until - std::chrono::steady_clock::now()).count();
+        const double left =
+            std::chrono::duration<double>(until - std::chrono::steady_clock::now()).count();
         if (left <= 0) break;
         const char key = interactive ? term.WaitKey(left) : 0;
         if (!interactive) poll(nullptr, 0, static_cast<int>(left * 1000));
@@ -233,7 +242,8 @@ int RunTop(tsd::Client& client, TopOptions o) {
     }
     std::vector<std::string> lines;
     auto status = client.Status();
-    auto jobs = status.ok() ? client.Jobs() : absl::StatusOr<std::vector<tsd::JobStatus>>(status.status());
+    auto jobs =
+        status.ok() ? client.Jobs() : absl::StatusOr<std::vector<tsd::JobStatus>>(status.status());
     const auto now = std::chrono::steady_clock::now();
     const double dt = std::chrono::duration<double>(now - last_time).count();
     if (status.ok() && jobs.ok()) {
@@ -243,7 +253,8 @@ int RunTop(tsd::Client& client, TopOptions o) {
         used[j.name] = j.used_bytes;
         auto prev = last_used.find(j.name);
         if (prev != last_used.end() && dt > 0) {
-          rates[j.name] = (static_cast<double>(j.used_bytes) - static_cast<double>(prev->second)) / dt;
+          rates[j.name] =
+              (static_cast<double>(j.used_bytes) - static_cast<double>(prev->second)) / dt;
         }
       }
       last_used = std::move(used);
@@ -269,7 +280,8 @@ int RunTop(tsd::Client& client, TopOptions o) {
     std::string out = "\x1b[H";  // home; each line is cleared to its end, then the rest below
     for (int i = 0; i < static_cast<int>(lines.size()) && i < rows - 1; ++i) {
       std::string l = lines[i].substr(0, static_cast<size_t>(cols));
-      if (i == 4) l = "\x1b[7m" + l + std::string(static_cast<size_t>(cols) - l.size(), ' ') + "\x1b[0m";
+      if (i == 4)
+        l = "\x1b[7m" + l + std::string(static_cast<size_t>(cols) - l.size(), ' ') + "\x1b[0m";
       out += l + "\x1b[K\n";
     }
     const int hidden = static_cast<int>(lines.size()) - (rows - 1);
@@ -289,22 +301,29 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket, "tsd's socket (default $TSD_SOCKET, else tsd's default path)");
   app.require_subcommand(1);
   bool status_json = false, jobs_json = false;
-  auto* status = app.add_subcommand("status", "the pool: version, uptime, bytes, locked, jobs, sessions");
-  status->add_flag("--json", status_json,
-                   "one JSON object: version, uptime, pool_bytes, used_bytes, locked, jobs, sessions");
+  auto* status =
+      app.add_subcommand("status", "the pool: version, uptime, bytes, locked, jobs, sessions");
+  status->add_flag(
+      "--json", status_json,
+      "one JSON object: version, uptime, pool_bytes, used_bytes, locked, jobs, sessions");
   auto* jobs = app.add_subcommand("jobs", "every job: name, uid, sessions, used and quota bytes");
-  jobs->add_flag("--json", jobs_json, "a JSON array of {name, uid, sessions, used_bytes, quota_bytes}");
+  jobs->add_flag("--json", jobs_json,
+                 "a JSON array of {name, uid, sessions, used_bytes, quota_bytes}");
   TopOptions top_options;
   auto* top = app.add_subcommand(
-      "top", "a live view of the pool and every job, redrawn in place (q quits, s changes the sort)");
+      "top",
+      "a live view of the pool and every job, redrawn in place (q quits, s changes the sort)");
   top->add_option("-d,--interval", top_options.interval_s, "seconds between frames (default 1)")
       ->check(CLI::Range(0.05, 3600.0));
-  top->add_option("-n,--iterations", top_options.iterations, "frames to draw, then exit (default: until q)")
+  top->add_option("-n,--iterations", top_options.iterations,
+                  "frames to draw, then exit (default: until q)")
       ->check(CLI::NonNegativeNumber);
-  top->add_option("--sort", top_options.sort, "order of jobs: used (default), quota, name, sessions, rate")
+  top->add_option("--sort", top_options.sort,
+                  "order of jobs: used (default), quota, name, sessions, rate")
       ->check(CLI::IsMember({"used", "quota", "name", "sessions", "rate"}));
   top->add_flag("-b,--batch", top_options.batch,
-                "print frames one after another instead of redrawing (the default when stdout is no terminal)");
+                "print frames one after another instead of redrawing (the default when stdout is "
+                "no terminal)");
   CLI11_PARSE(app, argc, argv);
 
   auto client = tsd::Client::Connect(socket);

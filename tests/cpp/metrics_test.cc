@@ -67,9 +67,12 @@ TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
   EXPECT_THAT(text, HasSubstr("# TYPE tsd_bucket_update_seconds histogram\n"));
   EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_count{job_name=\"job-a\"} 2\n"));
   EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_sum{job_name=\"job-a\"} 0.0023"));
-  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.00025\"} 0\n"));
-  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.0005\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"+Inf\"} 2\n"));
+  EXPECT_THAT(text,
+              HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.00025\"} 0\n"));
+  EXPECT_THAT(text,
+              HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"0.0005\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("tsd_bucket_update_seconds_bucket{job_name=\"job-a\",le=\"+Inf\"} 2\n"));
 }
 
 TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
@@ -82,9 +85,24 @@ TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
   const std::string text = metrics.Render();
   EXPECT_THAT(text, Not(HasSubstr("job-a")));
   EXPECT_THAT(text, HasSubstr("tsd_jobs 0\n"));
-  // A series recorded after the view was taken survives one scrape (it may be a newer job).
+  // Series of a job the registry does not hold are dropped by the next scrape too.
   metrics.RecordStep("job-b");
-  EXPECT_THAT(metrics.Render(), Not(HasSubstr("job-b")));  // created before this scrape, no job
+  EXPECT_THAT(metrics.Render(), Not(HasSubstr("job-b")));
+}
+
+TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
+  Metrics metrics;  // as the daemon makes it, before its Registry
+  metrics.RecordStep("early");
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, HasSubstr("tsd_build_info{version="));
+  EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));
+  EXPECT_THAT(text, Not(HasSubstr("tsd_pool_bytes")));
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("early", &ref);
+  metrics.WatchRegistry(*registry);
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_pool_bytes 67108864\n"));
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));
+  metrics.StopServing();
 }
 
 TEST(Metrics, ListenReportsAPortAndATakenOneIsAnError) {

@@ -1,0 +1,383 @@
+// trainstream._C: the Python binding of tsclient (client-cpp), the glue between torch and tsd.
+//
+// It exposes two classes and nothing else:
+//   * Client: connect, attach, detach, status, jobs, register_optimizer (the C++ tsd::Client).
+//   * Optimizer: the slots of a registered optimizer as torch tensors that alias the shared
+//     memory (torch::from_blob, no copies), and the hot-path calls (ready, wait, commit, state).
+// Errors are absl::Status values; they cross into Python as trainstream's TsdError subclasses
+// (trainstream/errors.py picks the class from the status code), never as a bare RuntimeError.
+//
+// CUDA: this file is compiled without CUDA headers, so one wheel builds on machines with and
+// without a GPU. `ready_on_stream` rings a bucket's doorbell from the GPU's own queue: it looks
+// up cudaLaunchHostFunc in the CUDA runtime torch has already loaded (dlsym) and enqueues a host
+// function that calls Optimizer::Ready once the stream's earlier work (the D2H copy of that
+// bucket's gradient) is done.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tsd/client.h"
+#include "tsd/optimizer.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// A failed absl::Status on its way to Python; translated by the exception translator below.
+struct StatusError {
+  int code;
+  std::string message;
+};
+
+[[noreturn]] void Throw(const absl::Status& s) {
+  throw StatusError{static_cast<int>(s.code()), std::string(s.message())};
+}
+void Check(const absl::Status& s) {
+  if (!s.ok()) Throw(s);
+}
+template <typename T>
+T Value(absl::StatusOr<T> v) {
+  if (!v.ok()) Throw(v.status());
+  return std::move(*v);
+}
+
+tsd::DType DTypeOf(const std::string& name) {
+  if (name == "float32") return tsd::DType::kF32;
+  if (name == "bfloat16") return tsd::DType::kBF16;
+  if (name == "float16") return tsd::DType::kF16;
+  Throw(absl::InvalidArgumentError("dtype must be float32, bfloat16 or float16, not " + name));
+}
+
+at::ScalarType ScalarTypeOf(tsd::DType d) {
+  switch (d) {
+    case tsd::DType::kF32:
+      return at::kFloat;
+    case tsd::DType::kBF16:
+      return at::kBFloat16;
+    case tsd::DType::kF16:
+      return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+// A Client shared by Python and by every Optimizer it registered: the optimizer's regions hold a
+// pointer to the client, so the client must outlive them.
+using ClientPtr = std::shared_ptr<tsd::Client>;
+
+// An optimizer plus what keeps it valid. Tensors over its slots hold a reference to it, so the
+// mapping outlives every tensor that aliases it.
+struct OptimizerHandle {
+  ClientPtr client;
+  std::unique_ptr<tsd::Optimizer> opt;
+  std::vector<tsd::DType> grad_dtypes, param_dtypes;
+  // The first error of a doorbell rung from a CUDA host function (there is no caller to return
+  // it to); reported by the next `take_async_error`.
+  std::mutex async_mu;
+  std::string async_error;
+  int async_code = 0;
+};
+using HandlePtr = std::shared_ptr<OptimizerHandle>;
+
+void CheckBucket(const OptimizerHandle& h, size_t b) {
+  if (b >= h.opt->num_buckets()) {
+    Throw(absl::InvalidArgumentError("bucket " + std::to_string(b) + " does not exist (" +
+                                     std::to_string(h.opt->num_buckets()) + " buckets)"));
+  }
+}
+
+at::Tensor Alias(const HandlePtr& h, void* data, int64_t numel, at::ScalarType type) {
+  HandlePtr keep = h;
+  return torch::from_blob(
+      data, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(type).device(at::kCPU));
+}
+
+absl::Duration Seconds(double s) { return s <= 0 ? absl::InfiniteDuration() : absl::Seconds(s); }
+
+// ---- Doorbells rung from a CUDA stream --------------------------------------------------------
+
+using HostFn = void (*)(void*);
+using LaunchHostFunc = int (*)(void* stream, HostFn fn, void* user_data);
+
+LaunchHostFunc FindLaunchHostFunc() {
+  static LaunchHostFunc fn = [] {
+    void* sym = dlsym(RTLD_DEFAULT, "cudaLaunchHostFunc");
+    if (sym == nullptr) {
+      // torch loads the CUDA runtime with RTLD_GLOBAL; if that ever changes, open it by name.
+      for (const char* lib : {"libcudart.so.13", "libcudart.so.12", "libcudart.so"}) {
+        if (void* h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD)) {
+          sym = dlsym(h, "cudaLaunchHostFunc");
+          if (sym != nullptr) break;
+        }
+      }
+    }
+    return reinterpret_cast<LaunchHostFunc>(sym);
+  }();
+  return fn;
+}
+
+struct PendingReady {
+  HandlePtr handle;
+  size_t bucket;
+  bool first, final;
+};
+
+void RunPendingReady(void* p) {
+  std::unique_ptr<PendingReady> r(static_cast<PendingReady*>(p));
+  const absl::Status s = r->handle->opt->Ready(r->bucket, r->first, r->final);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(r->handle->async_mu);
+    if (r->handle->async_code == 0) {
+      r->handle->async_code = static_cast<int>(s.code());
+      r->handle->async_error = std::string(s.message());
+    }
+  }
+  r->handle.reset();  // may free the handle; no CUDA call happens here (none is allowed)
+}
+
+// ---- Python-facing wrappers -------------------------------------------------------------------
+
+py::dict StatusDict(const tsd::PoolStatus& s) {
+  py::dict d;
+  d["version"] = s.version;
+  d["uptime_s"] = s.uptime_s;
+  d["pool_bytes"] = s.pool_bytes;
+  d["used_bytes"] = s.used_bytes;
+  d["locked"] = s.locked;
+  d["jobs"] = s.jobs;
+  d["sessions"] = s.sessions;
+  d["max_job_quota_bytes"] = s.max_job_quota_bytes;
+  d["pid"] = s.pid;
+  return d;
+}
+
+py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
+  py::list out;
+  for (const auto& j : jobs) {
+    py::dict d;
+    d["name"] = j.name;
+    d["uid"] = j.uid;
+    d["sessions"] = j.sessions;
+    d["used_bytes"] = j.used_bytes;
+    d["quota_bytes"] = j.quota_bytes;
+    d["regions"] = j.regions;
+    out.append(d);
+  }
+  return out;
+}
+
+// groups: list of dicts {lr, beta1, beta2, eps, weight_decay}; buckets: list of
+// (group, numel, grad_dtype, param_dtype) with dtype names.
+HandlePtr RegisterOptimizer(const ClientPtr& client, const std::vector<py::dict>& groups,
+                            const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
+                            const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
+                            bool amsgrad, bool maximize) {
+  tsd::OptimizerSpec spec;
+  for (const auto& g : groups) {
+    tsd::GroupHyper h;
+    h.lr = g["lr"].cast<double>();
+    h.beta1 = g["beta1"].cast<double>();
+    h.beta2 = g["beta2"].cast<double>();
+    h.eps = g["eps"].cast<double>();
+    h.weight_decay = g["weight_decay"].cast<double>();
+    spec.groups.push_back(h);
+  }
+  auto h = std::make_shared<OptimizerHandle>();
+  for (const auto& [group, numel, gd, pd] : buckets) {
+    spec.buckets.push_back({group, numel, DTypeOf(gd), DTypeOf(pd)});
+    h->grad_dtypes.push_back(DTypeOf(gd));
+    h->param_dtypes.push_back(DTypeOf(pd));
+  }
+  spec.moment_dtype = DTypeOf(moment_dtype);
+  spec.max_grad_norm = max_grad_norm;
+  spec.accumulate = accumulate;
+  spec.seed = seed;
+  spec.amsgrad = amsgrad;
+  spec.maximize = maximize;
+  h->client = client;
+  {
+    py::gil_scoped_release release;
+    h->opt = Value(client->RegisterOptimizer(spec));
+  }
+  return h;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "trainstream's binding of tsclient, the C++ client of the TrainStream daemon (tsd)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::gil_scoped_acquire gil;
+      py::object errors = py::module_::import("trainstream.errors");
+      py::object cls = errors.attr("error_class")(e.code);
+      PyErr_SetObject(cls.ptr(), cls(e.message, e.code).ptr());
+    }
+  });
+
+  py::class_<tsd::Client, ClientPtr>(m, "Client")
+      .def_static(
+          "connect",
+          [](const std::string& socket) {
+            std::unique_ptr<tsd::Client> c;
+            {
+              py::gil_scoped_release release;
+              c = Value(tsd::Client::Connect(socket));
+            }
+            return ClientPtr(std::move(c));
+          },
+          py::arg("socket") = "")
+      .def(
+          "attach",
+          [](tsd::Client& c, const std::string& job, uint64_t quota) {
+            py::gil_scoped_release release;
+            Check(c.Attach(job, quota));
+          },
+          py::arg("job"), py::arg("quota_bytes") = 0)
+      .def("detach",
+           [](tsd::Client& c) {
+             py::gil_scoped_release release;
+             Check(c.Detach());
+           })
+      .def("status",
+           [](tsd::Client& c) {
+             tsd::PoolStatus s;
+             {
+               py::gil_scoped_release release;
+               s = Value(c.Status());
+             }
+             return StatusDict(s);
+           })
+      .def("jobs",
+           [](tsd::Client& c) {
+             std::vector<tsd::JobStatus> j;
+             {
+               py::gil_scoped_release release;
+               j = Value(c.Jobs());
+             }
+             return JobsList(j);
+           })
+      .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
+           py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0, py::arg("accumulate") = false,
+           py::arg("seed") = 0, py::arg("amsgrad") = false, py::arg("maximize") = false)
+      .def_property_readonly("socket_path", &tsd::Client::socket_path)
+      .def_property_readonly("attached", &tsd::Client::attached)
+      .def_property_readonly("job", &tsd::Client::job)
+      .def_property_readonly("quota_bytes", &tsd::Client::quota_bytes)
+      .def_property_readonly("session_id", &tsd::Client::session_id);
+
+  py::class_<OptimizerHandle, HandlePtr>(m, "Optimizer")
+      .def_property_readonly("num_buckets", [](const OptimizerHandle& h) { return h.opt->num_buckets(); })
+      .def_property_readonly("num_groups", [](const OptimizerHandle& h) { return h.opt->num_groups(); })
+      .def_property_readonly("isa", [](const OptimizerHandle& h) { return h.opt->isa(); })
+      .def_property_readonly("threads", [](const OptimizerHandle& h) { return h.opt->threads(); })
+      .def_property_readonly("state_bytes", [](const OptimizerHandle& h) { return h.opt->state_bytes(); })
+      .def_property_readonly("last_grad_norm", [](const OptimizerHandle& h) { return h.opt->last_grad_norm(); })
+      .def("numel",
+           [](const OptimizerHandle& h, size_t b) {
+             CheckBucket(h, b);
+             return h.opt->numel(b);
+           })
+      .def("steps",
+           [](const OptimizerHandle& h, size_t b) {
+             CheckBucket(h, b);
+             return h.opt->steps(b);
+           })
+      // Tensors aliasing the shared slots (1-D, CPU; pinned where CUDA registered them).
+      .def("master",
+           [](const HandlePtr& h, size_t b) {
+             CheckBucket(*h, b);
+             return Alias(h, h->opt->master(b), static_cast<int64_t>(h->opt->numel(b)), at::kFloat);
+           })
+      .def("grad",
+           [](const HandlePtr& h, size_t b) {
+             CheckBucket(*h, b);
+             return Alias(h, h->opt->grad(b), static_cast<int64_t>(h->opt->numel(b)), ScalarTypeOf(h->grad_dtypes[b]));
+           })
+      .def("param",
+           [](const HandlePtr& h, size_t b) {
+             CheckBucket(*h, b);
+             return Alias(h, const_cast<void*>(h->opt->param(b)), static_cast<int64_t>(h->opt->numel(b)),
+                          ScalarTypeOf(h->param_dtypes[b]));
+           })
+      .def(
+          "set_group",
+          [](OptimizerHandle& h, size_t g, double lr, double beta1, double beta2, double eps, double wd) {
+            if (g >= h.opt->num_groups()) Throw(absl::InvalidArgumentError("group " + std::to_string(g) + " does not exist"));
+            h.opt->SetGroup(g, {lr, beta1, beta2, eps, wd});
+          },
+          py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"))
+      .def(
+          "ready", [](OptimizerHandle& h, size_t b, bool first, bool final) { Check(h.opt->Ready(b, first, final)); },
+          py::arg("bucket"), py::arg("first") = true, py::arg("final") = true)
+      .def(
+          "ready_on_stream",
+          [](const HandlePtr& h, uintptr_t stream, size_t b, bool first, bool final) {
+            CheckBucket(*h, b);
+            LaunchHostFunc launch = FindLaunchHostFunc();
+            if (launch == nullptr) {
+              Throw(absl::FailedPreconditionError("cudaLaunchHostFunc is not available: the CUDA runtime is not loaded"));
+            }
+            auto* r = new PendingReady{h, b, first, final};
+            const int err = launch(reinterpret_cast<void*>(stream), &RunPendingReady, r);
+            if (err != 0) {
+              delete r;
+              Throw(absl::InternalError("cudaLaunchHostFunc failed with CUDA error " + std::to_string(err)));
+            }
+          },
+          py::arg("stream"), py::arg("bucket"), py::arg("first") = true, py::arg("final") = true)
+      .def("take_async_error",
+           [](OptimizerHandle& h) -> py::object {
+             std::lock_guard<std::mutex> lock(h.async_mu);
+             if (h.async_code == 0) return py::none();
+             py::tuple t = py::make_tuple(h.async_code, h.async_error);
+             h.async_code = 0;
+             h.async_error.clear();
+             return t;
+           })
+      .def(
+          "wait",
+          [](OptimizerHandle& h, size_t b, double timeout_s) {
+            py::gil_scoped_release release;
+            Check(h.opt->Wait(b, Seconds(timeout_s)));
+          },
+          py::arg("bucket"), py::arg("timeout_s") = 600.0)
+      .def(
+          "wait_all",
+          [](OptimizerHandle& h, double timeout_s) {
+            py::gil_scoped_release release;
+            Check(h.opt->WaitAll(Seconds(timeout_s)));
+          },
+          py::arg("timeout_s") = 600.0)
+      .def(
+          "commit",
+          [](OptimizerHandle& h, double timeout_s) {
+            py::gil_scoped_release release;
+            Check(h.opt->Commit(Seconds(timeout_s)));
+          },
+          py::arg("timeout_s") = 600.0)
+      .def("save_state",
+           [](OptimizerHandle& h, int fd) {
+             py::gil_scoped_release release;
+             return Value(h.opt->SaveState(fd));
+           })
+      .def("load_state", [](OptimizerHandle& h, int fd) {
+        py::gil_scoped_release release;
+        return Value(h.opt->LoadState(fd));
+      });
+}
