@@ -10,8 +10,8 @@
 #include <iostream>
 #include <sstream>
 
-#include <CLI/CLI.hpp>
 #include <toml++/toml.h>
+#include <CLI/CLI.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -32,8 +32,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
   } catch (const toml::parse_error& e) {
     std::ostringstream where;
     where << e.source().begin;
-    return absl::InvalidArgumentError(
-        absl::StrCat("config file ", path, ": ", std::string(e.description()), " at ", where.str()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config file ", path, ": ", std::string(e.description()), " at ", where.str()));
   }
   const std::vector<std::pair<const char*, std::string*>> strings = {
       {"socket", &c.socket},
@@ -48,8 +48,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     if (key.str() == "optimizer_threads") {
       const auto* i = node.as_integer();
       if (i == nullptr || i->get() < 0 || i->get() > 4096) {
-        return absl::InvalidArgumentError(absl::StrCat("config file ", path,
-                                                       ": 'optimizer_threads' must be an integer in [0, 4096]"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config file ", path, ": 'optimizer_threads' must be an integer in [0, 4096]"));
       }
       c.optimizer_threads = static_cast<int>(i->get());
       continue;
@@ -57,7 +57,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     if (key.str() == "pin_optimizer_threads") {
       const auto* b = node.as_boolean();
       if (b == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": 'pin_optimizer_threads' must be true or false"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("config file ", path, ": 'pin_optimizer_threads' must be true or false"));
       }
       c.pin_optimizer_threads = b->get();
       continue;
@@ -71,8 +72,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
       } else if (const auto* i = node.as_integer()) {
         *field = std::to_string(i->get());  // e.g. pool_size = 1073741824, orphan_grace = 5
       } else {
-        return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": '", std::string(key.str()),
-                                                       "' must be a string"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config file ", path, ": '", std::string(key.str()), "' must be a string"));
       }
     }
     if (!known) {
@@ -93,7 +94,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
 absl::Status ValidateListenAddress(const std::string& address) {
   if (address.empty()) return absl::OkStatus();
   const size_t colon = address.rfind(':');
-  const std::string hint = "write HOST:PORT, e.g. 127.0.0.1:9464 or [::1]:9464, or \"\" to turn it off";
+  const std::string hint =
+      "write HOST:PORT, e.g. 127.0.0.1:9464 or [::1]:9464, or \"\" to turn it off";
   if (colon == std::string::npos || colon == 0) {
     return absl::InvalidArgumentError(absl::StrCat("'", address, "' has no host and port; ", hint));
   }
@@ -131,18 +133,19 @@ uint64_t PhysicalMemoryBytes() {
 absl::StatusOr<uint64_t> ParseSize(const std::string& text, uint64_t percent_of) {
   std::string t(absl::StripAsciiWhitespace(text));
   const std::string original = t;
-  if (t.empty()) return absl::InvalidArgumentError("size is empty; write e.g. 64GiB, 512MiB or 60%");
+  if (t.empty())
+    return absl::InvalidArgumentError("size is empty; write e.g. 64GiB, 512MiB or 60%");
   if (t.back() == '%') {
     double pct;
-    if (!absl::SimpleAtod(t.substr(0, t.size() - 1), &pct) || pct <= 0 ||
-        pct > 100) {
+    if (!absl::SimpleAtod(t.substr(0, t.size() - 1), &pct) || pct <= 0 || pct > 100) {
       return absl::InvalidArgumentError(
           absl::StrCat("size '", original, "': a share must be in (0, 100]%"));
     }
     return static_cast<uint64_t>(std::floor(static_cast<double>(percent_of) * pct / 100.0));
   }
   size_t split = 0;
-  while (split < t.size() && (std::isdigit(static_cast<unsigned char>(t[split])) || t[split] == '.')) {
+  while (split < t.size() &&
+         (std::isdigit(static_cast<unsigned char>(t[split])) || t[split] == '.')) {
     ++split;
   }
   double number;
@@ -171,11 +174,13 @@ absl::StatusOr<uint64_t> ParseSize(const std::string& text, uint64_t percent_of)
   } else if (unit == "tb") {
     mult = 1e12;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "size '", original, "' has unknown unit '", unit, "'; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("size '", original, "' has unknown unit '", unit,
+                     "'; use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB or %"));
   }
   const double bytes = number * mult;
-  if (bytes >= 1.8e19) return absl::InvalidArgumentError(absl::StrCat("size '", original, "' is too large"));
+  if (bytes >= 1.8e19)
+    return absl::InvalidArgumentError(absl::StrCat("size '", original, "' is too large"));
   return static_cast<uint64_t>(bytes);
 }
 
@@ -183,7 +188,8 @@ absl::StatusOr<absl::Duration> ParseDurationArg(const std::string& text) {
   std::string t(absl::StripAsciiWhitespace(text));
   double seconds;
   if (absl::SimpleAtod(t, &seconds)) {
-    if (seconds < 0) return absl::InvalidArgumentError(absl::StrCat("duration '", t, "' is negative"));
+    if (seconds < 0)
+      return absl::InvalidArgumentError(absl::StrCat("duration '", t, "' is negative"));
     return absl::Seconds(seconds);
   }
   absl::Duration d;
@@ -211,12 +217,15 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
                                   "$XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock)");
   auto* o_group = app.add_option("--socket-group", flags.socket_group,
                                  "group whose members may connect (sockets 0660, directory 0770)");
-  auto* o_pool = app.add_option("--pool-size", flags.pool_size,
-                                "host memory the daemon lends: 64GiB, 512MiB or 60% of RAM (default 50%)");
-  auto* o_quota = app.add_option("--max-job-quota", flags.max_job_quota,
-                                 "largest quota one job may hold: a size or a share of the pool (default 100%)");
-  auto* o_grace = app.add_option("--orphan-grace", flags.orphan_grace,
-                                 "keep a job's memory this long after its last session died (default 0s)");
+  auto* o_pool =
+      app.add_option("--pool-size", flags.pool_size,
+                     "host memory the daemon lends: 64GiB, 512MiB or 60% of RAM (default 50%)");
+  auto* o_quota = app.add_option(
+      "--max-job-quota", flags.max_job_quota,
+      "largest quota one job may hold: a size or a share of the pool (default 100%)");
+  auto* o_grace =
+      app.add_option("--orphan-grace", flags.orphan_grace,
+                     "keep a job's memory this long after its last session died (default 0s)");
   auto* o_log = app.add_option("--log-level", flags.log_level,
                                "trace, debug, info, warn, error, critical or off (default info)");
   // The last --metrics-listen wins, so a wrapper can turn the endpoint off by default and a
@@ -225,12 +234,14 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
                                    "serve Prometheus metrics at http://HOST:PORT/metrics "
                                    "(default 127.0.0.1:9464; \"\" turns it off)")
                         ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  auto* o_threads = app.add_option("--optimizer-threads", flags.optimizer_threads,
-                                   "optimizer worker threads (default 0: every CPU the daemon may use)")
-                        ->check(CLI::Range(0, 4096));
+  auto* o_threads =
+      app.add_option("--optimizer-threads", flags.optimizer_threads,
+                     "optimizer worker threads (default 0: every CPU the daemon may use)")
+          ->check(CLI::Range(0, 4096));
   auto* o_pin = app.add_flag("--pin-optimizer-threads", flags.pin_optimizer_threads,
                              "pin each optimizer worker to one CPU");
-  app.add_flag("--print-config", print_config, "print the effective configuration as TOML and exit");
+  app.add_flag("--print-config", print_config,
+               "print the effective configuration as TOML and exit");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -267,9 +278,11 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
 
   if (c.socket.empty()) c.socket = DefaultDaemonSocketPath();
   auto pool = ParseSize(c.pool_size, PhysicalMemoryBytes());
-  if (!pool.ok()) return absl::InvalidArgumentError(absl::StrCat("pool_size: ", pool.status().message()));
+  if (!pool.ok())
+    return absl::InvalidArgumentError(absl::StrCat("pool_size: ", pool.status().message()));
   if (*pool < wire::kPageBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("pool_size '", c.pool_size, "' is below one page"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool_size '", c.pool_size, "' is below one page"));
   }
   c.pool_bytes = *pool / wire::kPageBytes * wire::kPageBytes;
   auto quota = ParseSize(c.max_job_quota, c.pool_bytes);
@@ -278,12 +291,14 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   }
   c.max_job_quota_bytes = std::min(*quota, c.pool_bytes);
   auto grace = ParseDurationArg(c.orphan_grace);
-  if (!grace.ok()) return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
+  if (!grace.ok())
+    return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
   c.orphan_grace_duration = *grace;
   static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (std::find(std::begin(kLevels), std::end(kLevels), c.log_level) == std::end(kLevels)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "log_level '", c.log_level, "' is not one of trace, debug, info, warn, error, critical, off"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("log_level '", c.log_level,
+                     "' is not one of trace, debug, info, warn, error, critical, off"));
   }
   if (absl::Status s = ValidateListenAddress(c.metrics_listen); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("metrics_listen: ", s.message()));
@@ -315,7 +330,8 @@ std::string ConfigToToml(const Config& c) {
   };
   std::ostringstream os;
   os << "# effective tsd configuration"
-     << (c.config_path.empty() ? std::string(" (no config file)") : " from " + c.config_path) << "\n"
+     << (c.config_path.empty() ? std::string(" (no config file)") : " from " + c.config_path)
+     << "\n"
      << "# pool_size resolves to " << c.pool_bytes << " bytes (" << wire::FormatBytes(c.pool_bytes)
      << "), max_job_quota to " << c.max_job_quota_bytes << " bytes\n"
      << t << "\n";

@@ -37,7 +37,8 @@ absl::StatusOr<gid_t> LookupGroup(const std::string& name) {
   group g{};
   group* out = nullptr;
   if (getgrnam_r(name.c_str(), &g, buf.data(), buf.size(), &out) != 0 || out == nullptr) {
-    return absl::NotFoundError(absl::StrCat("socket_group '", name, "' does not exist on this host"));
+    return absl::NotFoundError(
+        absl::StrCat("socket_group '", name, "' does not exist on this host"));
   }
   return out->gr_gid;
 }
@@ -50,12 +51,14 @@ absl::Status PrepareSocketDir(const std::string& socket_path, gid_t gid) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create socket directory ", dir.string(), ": ",
-                                                    ec.message(), "; pick another --socket or run as root"));
+    return absl::PermissionDeniedError(absl::StrCat("cannot create socket directory ", dir.string(),
+                                                    ": ", ec.message(),
+                                                    "; pick another --socket or run as root"));
   }
-  if (chmod(dir.c_str(), 0770) != 0 || (gid != static_cast<gid_t>(-1) && chown(dir.c_str(), -1, gid) != 0)) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot set mode/group of ", dir.string(), ": ",
-                                                    std::strerror(errno)));
+  if (chmod(dir.c_str(), 0770) != 0 ||
+      (gid != static_cast<gid_t>(-1) && chown(dir.c_str(), -1, gid) != 0)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot set mode/group of ", dir.string(), ": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }
@@ -130,8 +133,9 @@ int RunDaemon(const Config& config) {
   WorkerPool pool(threads, config.pin_optimizer_threads);
   options.pool = &pool;
   options.isa = kernels::BestIsa();
-  spdlog::info("event=optimizer_engine threads={} pinned={} isa={}", threads, config.pin_optimizer_threads,
-               kernels::IsaName(options.isa));
+  spdlog::info("event=optimizer_engine threads={} pinned={} isa={}", threads,
+               config.pin_optimizer_threads, kernels::IsaName(options.isa));
+  options.metrics = &metrics;
   Registry registry(options);
   metrics.WatchRegistry(registry);
   Reloader reloader(config, registry, memlock.can_lock);
@@ -151,8 +155,8 @@ int RunDaemon(const Config& config) {
   }
   if (chmod(socket_path.c_str(), 0660) != 0 ||
       (*gid != static_cast<gid_t>(-1) && chown(socket_path.c_str(), -1, *gid) != 0)) {
-    return Fail(absl::PermissionDeniedError(absl::StrCat("cannot set mode/group of ", socket_path, ": ",
-                                                         std::strerror(errno))));
+    return Fail(absl::PermissionDeniedError(
+        absl::StrCat("cannot set mode/group of ", socket_path, ": ", std::strerror(errno))));
   }
   side.Start();
   std::string metrics_at = "off";
@@ -167,14 +171,14 @@ int RunDaemon(const Config& config) {
       metrics_at = "off (the default address is taken)";
     }
   }
-  spdlog::info("event=ready version={} socket={} side_socket={} pool_bytes={} max_job_quota_bytes={} "
-               "locked={} orphan_grace={} metrics={} pid={}",
-               kVersion, socket_path, side_path, config.pool_bytes, config.max_job_quota_bytes,
-               memlock.can_lock, absl::FormatDuration(config.orphan_grace_duration), metrics_at,
-               getpid());
+  spdlog::info(
+      "event=ready version={} socket={} side_socket={} pool_bytes={} max_job_quota_bytes={} "
+      "locked={} orphan_grace={} metrics={} pid={}",
+      kVersion, socket_path, side_path, config.pool_bytes, config.max_job_quota_bytes,
+      memlock.can_lock, absl::FormatDuration(config.orphan_grace_duration), metrics_at, getpid());
   // Both sockets listen and the gRPC server runs: calls are accepted from now on.
-  LogNotifyError(notifier.Ready(absl::StrCat("serving ", wire::FormatBytes(config.pool_bytes),
-                                             " on ", socket_path)));
+  LogNotifyError(notifier.Ready(
+      absl::StrCat("serving ", wire::FormatBytes(config.pool_bytes), " on ", socket_path)));
 
   for (;;) {
     int sig = 0;
@@ -191,7 +195,8 @@ int RunDaemon(const Config& config) {
   std::thread stop_metrics([&metrics] { metrics.StopServing(); });
   // Stop taking calls (in-flight ones get at most 500 ms), tell clients, release everything.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-  side.Shutdown(absl::StrCat("tsd (pid ", getpid(), ") is shutting down: every region was released; "
+  side.Shutdown(absl::StrCat("tsd (pid ", getpid(),
+                             ") is shutting down: every region was released; "
                              "restart tsd and attach again"));
   registry.ReleaseAll();
   server->Wait();

@@ -64,13 +64,6 @@ class Metrics::Collector final : public prometheus::Collectable {
   const Metrics& metrics_;
 };
 
-Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry); }
-
-void Metrics::WatchRegistry(const Registry& registry) {
-  absl::MutexLock lock(&mu_);
-  registry_ = &registry;
-}
-
 Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
   steps_ = &prometheus::BuildCounter()
                 .Name("tsd_optimizer_steps_total")
@@ -87,7 +80,14 @@ Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
   collector_ = std::make_shared<Collector>(*this);
 }
 
+Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry); }
+
 Metrics::~Metrics() { StopServing(); }
+
+void Metrics::WatchRegistry(const Registry& registry) {
+  absl::MutexLock lock(&mu_);
+  registry_ = &registry;
+}
 
 void Metrics::StopServing() {
   exposer_.reset();  // before the collector and the families go away

@@ -422,8 +422,9 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 namespace tsd {
 
 absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const v1::RegisterOptimizerRequest& req) {
-  if (options_.pool == nullptr) return absl::InternalError("this daemon runs without an optimizer engine");
-  auto plan = JobOptimizer::Plan(req, options_.pool_bytes);
+  const RegistryOptions options = this->options();  // a consistent copy (SIGHUP may resize the pool)
+  if (options.pool == nullptr) return absl::InternalError("this daemon runs without an optimizer engine");
+  auto plan = JobOptimizer::Plan(req, options.pool_bytes);
   if (!plan.ok()) return plan.status();
   {
     absl::MutexLock lock(&mu_);
@@ -477,7 +478,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const 
     if (it == job.regions.end()) return absl::NotFoundError("an optimizer region vanished during registration");
     *slots[i] = it->second;
   }
-  auto optimizer = std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool, options_.isa);
+  auto optimizer =
+      std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool, options_.isa, options_.metrics);
   optimizer->Start();
   job.optimizer = optimizer;
   job.optimizer_session = req.session().session_id();

@@ -7,8 +7,13 @@
 # group tsd may attach and another user may not, then removes and purges the package and checks
 # that none of its files is left. Needs root; does not need systemd running as PID 1.
 #   scripts/test-package.sh            uses build/
+#   scripts/test-package.sh --fresh    also installs it into a minimal Debian 12 made with
+#                                      debootstrap (kept in build/fresh-debian12), where only
+#                                      Debian's packages are present, and runs it there
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fresh=0
+[ "${1:-}" = "--fresh" ] && fresh=1
 
 say() { echo "test-package: $*"; }
 fail() {
@@ -71,6 +76,24 @@ for f in /usr/bin/tsd /usr/bin/tsctl /usr/lib/systemd/system/tsd.service /etc/ts
   [ -e "$f" ] || fail "missing $f"
 done
 grep -qx /etc/tsd/tsd.toml /var/lib/dpkg/info/tsd.conffiles || fail "tsd.toml is not a conffile"
+
+say "libraries"
+# Every library the installed programs load must come from a Debian package (or this one): one
+# found elsewhere (e.g. a CUDA toolkit in /usr/local) is missing on a plain Debian 12.
+foreign=""
+for f in /usr/bin/tsd /usr/bin/tsctl /usr/lib/libtsclient.so.0; do
+  while read -r lib path; do
+    owner=""
+    for p in "$path" "${path#/usr}" "/usr$path"; do
+      owner=$(dpkg-query -S "$p" 2>/dev/null | head -1) && [ -n "$owner" ] && break
+    done
+    [ -n "$owner" ] || foreign="$foreign $f->$lib($path)"
+  done < <(ldd "$f" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}')
+done
+if [ -n "$foreign" ]; then
+  say "FAIL: the package's programs need libraries no Debian package provides (absent on a plain Debian 12):$foreign"
+  exit 1
+fi
 
 say "systemd-analyze verify"
 systemd-analyze verify /usr/lib/systemd/system/tsd.service || fail "systemd-analyze verify"
@@ -173,5 +196,31 @@ while read -r f; do
 done <"$tmp/files"
 [ -z "$left" ] || fail "left after purge:$left"
 [ ! -e /etc/tsd ] || fail "/etc/tsd is left after purge"
+
+if [ "$fresh" = 1 ]; then
+  root=build/fresh-debian12
+  name=$(basename "$deb")
+  if [ ! -x "$root/usr/bin/apt-get" ]; then
+    say "debootstrap: a minimal Debian 12 in $root"
+    command -v debootstrap >/dev/null || apt-get install -y -qq debootstrap >/dev/null
+    rm -rf "$root"
+    debootstrap --variant=minbase bookworm "$root" >"$tmp/debootstrap.log" 2>&1 ||
+      fail "debootstrap: $(tail -3 "$tmp/debootstrap.log")"
+  fi
+  say "apt install ./$name in a fresh Debian 12"
+  cp "$deb" "$root/tmp/$name"
+  chroot "$root" sh -c "export DEBIAN_FRONTEND=noninteractive; apt-get purge -y -qq tsd;
+    apt-get update -qq && apt-get install -y -qq /tmp/$name" >"$tmp/fresh.log" 2>&1 ||
+    fail "$(tail -5 "$tmp/fresh.log")"
+  [ "$(chroot "$root" tsd --version)" = "tsd $version" ] || fail "tsd --version in the fresh system"
+  chroot "$root" tsctl --help >/dev/null || fail "tsctl --help in the fresh system"
+  chroot "$root" sh -c 'tsd --socket /tmp/t.sock --pool-size 8MiB --metrics-listen "" & pid=$!
+    for _ in $(seq 50); do tsctl --socket /tmp/t.sock status >/dev/null 2>&1 && break; sleep 0.1; done
+    tsctl --socket /tmp/t.sock status; rc=$?; kill -TERM $pid; wait $pid && exit $rc' \
+    >"$tmp/fresh-run.log" 2>&1 ||
+    fail "tsd and tsctl in the fresh system: $(cat "$tmp/fresh-run.log")"
+  chroot "$root" sh -c "DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq tsd" >/dev/null 2>&1
+  rm -f "$root/tmp/$name"
+fi
 
 say "passed ($deb installs, runs and removes cleanly; the tsd user and group stay, as on Debian)"

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/metrics.h"
 #include "proto/futex.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -134,9 +135,9 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
 }
 
 JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
-                           kernels::Isa isa)
+                           kernels::Isa isa, Metrics* metrics)
     : job_(std::move(job)), plan_(std::move(plan)), regions_(std::move(regions)), pool_(pool),
-      queue_(pool.NewQueue()), isa_(isa) {
+      queue_(pool.NewQueue()), isa_(isa), metrics_(metrics) {
   page_ = wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
   page_.header->magic = wire::kControlPageMagic;
   page_.header->version = wire::kControlPageVersion;
@@ -377,6 +378,7 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
   h.weight_decay = g.weight_decay;
   h.step = ++run.steps;
   h.grad_scale = grad_scale;
+  run.started = std::chrono::steady_clock::now();
   const size_t gsize = kernels::DTypeSize(grad_dtype), msize = kernels::DTypeSize(plan_.moment_dtype),
                psize = kernels::DTypeSize(run.plan.param_dtype);
   const kernels::DType md = plan_.moment_dtype;
@@ -398,7 +400,17 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
         kernels::AdamWStep(t, h, isa_);
       },
       [this, b, after = std::move(after)] {
-        page_.buckets[b].steps.store(static_cast<uint32_t>(runs_[b]->steps), std::memory_order_relaxed);
+        const BucketRun& r = *runs_[b];
+        page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
+        if (metrics_ != nullptr) {
+          const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+          metrics_->RecordBucketUpdate(job_, seconds, static_cast<uint64_t>(r.plan.numel));
+          // A job's step count is the highest step any of its buckets reached.
+          int64_t seen = max_step_.load(std::memory_order_relaxed);
+          while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
+          }
+          if (r.steps > seen) metrics_->RecordStep(job_);
+        }
         after();
       });
 }

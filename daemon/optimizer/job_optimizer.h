@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,8 @@
 #include "proto/tsd.pb.h"
 
 namespace tsd {
+
+class Metrics;
 
 // Where one bucket's data lives (byte offsets into the optimizer's regions).
 struct BucketPlan {
@@ -70,8 +73,9 @@ class JobOptimizer final {
   static absl::StatusOr<OptimizerPlan> Plan(const v1::RegisterOptimizerRequest& request,
                                             uint64_t max_bytes);
 
+  // `metrics` (may be null) receives each bucket update's latency and each step.
   JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
-               kernels::Isa isa);
+               kernels::Isa isa, Metrics* metrics = nullptr);
   ~JobOptimizer();
   JobOptimizer(const JobOptimizer&) = delete;
   JobOptimizer& operator=(const JobOptimizer&) = delete;
@@ -111,6 +115,7 @@ class JobOptimizer final {
     std::atomic<int64_t> remaining{0};
     int64_t steps = 0;
     uint64_t sr_seed = 0;
+    std::chrono::steady_clock::time_point started;  // when the update in flight was dispatched
   };
 
 
@@ -135,6 +140,8 @@ class JobOptimizer final {
   WorkerPool& pool_;
   std::shared_ptr<WorkerPool::Queue> queue_;
   const kernels::Isa isa_;
+  Metrics* const metrics_;
+  std::atomic<int64_t> max_step_{0};  // the highest step any bucket reached (a job's step count)
   wire::ControlView page_;
   std::vector<std::unique_ptr<BucketRun>> runs_;
 

@@ -32,6 +32,7 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon_process.h"
+#include "tsd/optimizer.h"
 #include "proto/wire.h"
 #include "tsd/client.h"
 
@@ -752,6 +753,32 @@ TEST(Metrics, ScrapeParsesAndMatchesTsctl) {
   EXPECT_EQ(Value(later, "tsd_pool_used_bytes"), 3 << 20);
   EXPECT_TRUE(std::isnan(Value(later, "tsd_job_used_bytes", {{"job_name", "metrics-a"}})));
   EXPECT_THAT(d->log(), HasSubstr("metrics=127.0.0.1:" + std::to_string(port)));
+}
+
+TEST(Metrics, OptimizerStepsLatencyAndThroughputAreExported) {
+  const int port = FreePort();
+  auto d = DaemonProcess::Start(
+      {.args = {"--pool-size", "256MiB", "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
+  ASSERT_TRUE(d);
+  auto c = d->Connect();
+  ASSERT_TRUE(c->Attach("metrics-opt").ok());
+  tsd::OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 1000, tsd::DType::kF32, tsd::DType::kF32}, {0, 300000, tsd::DType::kBF16, tsd::DType::kBF16}};
+  auto opt = c->RegisterOptimizer(spec);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  for (int step = 0; step < 3; ++step) {
+    for (size_t b = 0; b < 2; ++b) ASSERT_TRUE((*opt)->Ready(b).ok());
+    ASSERT_TRUE((*opt)->WaitAll().ok());
+  }
+  std::string error;
+  const std::vector<Sample> m = ParsePrometheusText(HttpGet(port, "/metrics"), &error);
+  ASSERT_TRUE(error.empty()) << error;
+  const std::map<std::string, std::string> job = {{"job_name", "metrics-opt"}};
+  EXPECT_EQ(Value(m, "tsd_optimizer_steps_total", job), 3);
+  EXPECT_EQ(Value(m, "tsd_optimizer_params_total", job), 3 * 301000);
+  EXPECT_EQ(Value(m, "tsd_bucket_update_seconds_count", job), 6);
+  EXPECT_GT(Value(m, "tsd_bucket_update_seconds_sum", job), 0);
 }
 
 TEST(Metrics, ATakenPortFailsTheStartWithAHint) {
