@@ -49,6 +49,17 @@ Registry::Registry(RegistryOptions options) : options_(options) {}
 
 Registry::~Registry() { ReleaseAll(); }
 
+v1::JobInfo Registry::DescribeJob(const std::string& name, const Job& job) {
+  v1::JobInfo info;
+  info.set_name(name);
+  info.set_uid(job.uid);
+  info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
+  info.set_used_bytes(job.used_bytes);
+  info.set_quota_bytes(job.quota_bytes);
+  info.set_regions(static_cast<uint32_t>(job.regions.size()));
+  return info;
+}
+
 v1::RegionInfo Registry::Describe(const Region& r) {
   v1::RegionInfo info;
   info.set_region_id(r.id());
@@ -405,14 +416,7 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::JobInfo> out;
   for (const auto& [name, job] : jobs_) {
-    v1::JobInfo info;
-    info.set_name(name);
-    info.set_uid(job.uid);
-    info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
-    info.set_used_bytes(job.used_bytes);
-    info.set_quota_bytes(job.quota_bytes);
-    info.set_regions(static_cast<uint32_t>(job.regions.size()));
-    out.push_back(std::move(info));
+    out.push_back(DescribeJob(name, job));
   }
   return out;
 }
@@ -545,14 +549,7 @@ Registry::MetricsView Registry::View() const {
   v.max_job_quota_bytes = options_.max_job_quota_bytes;
   for (const auto& [name, job] : jobs_) {
     for (const auto& [id, region] : job.regions) v.locked_bytes += region->locked() ? region->bytes() : 0;
-    v1::JobInfo info;
-    info.set_name(name);
-    info.set_uid(job.uid);
-    info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
-    info.set_used_bytes(job.used_bytes);
-    info.set_quota_bytes(job.quota_bytes);
-    info.set_regions(static_cast<uint32_t>(job.regions.size()));
-    v.jobs.push_back(std::move(info));
+    v.jobs.push_back(DescribeJob(name, job));
   }
   return v;
 }

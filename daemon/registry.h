@@ -167,6 +167,7 @@ class Registry final {
   absl::StatusOr<v1::RegionInfo> AllocInternal(const v1::SessionRef& ref, const std::string& name, uint64_t size_bytes);
   std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
+  static v1::JobInfo DescribeJob(const std::string& name, const Job& job);
 
   // Fixed at construction, except pool_bytes, max_job_quota_bytes and orphan_grace, which
   // Reconfigure changes under mu_ (read them under mu_ too).

@@ -62,7 +62,8 @@ TEST(Lifecycle, FiftyClientsKilledMidAllocationLeaveNothingBehind) {
                                                                      << observer->Status()->used_bytes;
   }
   EXPECT_GT(killed_with_memory, 10) << "most clients should die holding memory";
-  EXPECT_TRUE(WaitFor([&] { return d->OpenFds() == baseline_fds; }, 5))
+  // Back to the baseline, or below it (gRPC may close an idle descriptor of its own meanwhile).
+  EXPECT_TRUE(WaitFor([&] { return d->OpenFds() <= baseline_fds; }, 5))
       << "descriptors: " << d->OpenFds() << " now, " << baseline_fds << " before";
   EXPECT_TRUE(observer->Alloc("still-works", 1 << 20).ok());
 }
