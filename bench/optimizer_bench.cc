@@ -26,7 +26,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 // STREAM-style copy (a = b) and triad (a = b + s*c) over `n` floats per array with `threads`
 // threads; best of `reps`. Returns GB/s counting the bytes each kernel reads and writes.
@@ -50,7 +52,8 @@ std::pair<double, double> Stream(size_t n, int threads, int reps) {
   };
   // First touch in parallel, so pages spread like the work.
   run([&](size_t lo, size_t hi) { std::memset(a.data() + lo, 0, (hi - lo) * 4); });
-  const double copy = run([&](size_t lo, size_t hi) { std::memcpy(a.data() + lo, b.data() + lo, (hi - lo) * 4); });
+  const double copy =
+      run([&](size_t lo, size_t hi) { std::memcpy(a.data() + lo, b.data() + lo, (hi - lo) * 4); });
   const double triad = run([&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) a[i] = b[i] + 3.0f * c[i];
   });
@@ -67,8 +70,8 @@ tsd::OptimizerSpec Spec(uint64_t params, int buckets, tsd::DType moments) {
   return spec;
 }
 
-nlohmann::json Engine(const std::string& socket, uint64_t params, int buckets, int steps, tsd::DType moments,
-                      double bandwidth_gbs) {
+nlohmann::json Engine(const std::string& socket, uint64_t params, int buckets, int steps,
+                      tsd::DType moments, double bandwidth_gbs) {
   auto client = tsd::Client::Connect(socket);
   if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
   const std::string job = moments == tsd::DType::kF32 ? "bench-fp32-moments" : "bench-bf16-moments";
@@ -81,7 +84,8 @@ nlohmann::json Engine(const std::string& socket, uint64_t params, int buckets, i
   for (size_t b = 0; b < o.num_buckets(); ++b) {
     std::fill(o.master(b), o.master(b) + o.numel(b), 0.5f);
     auto* g = static_cast<uint16_t*>(o.grad(b));
-    for (uint64_t i = 0; i < o.numel(b); ++i) g[i] = static_cast<uint16_t>(0x3c00 + (i & 0xff));  // bf16 ~0.0078
+    for (uint64_t i = 0; i < o.numel(b); ++i)
+      g[i] = static_cast<uint16_t>(0x3c00 + (i & 0xff));  // bf16 ~0.0078
   }
   auto step = [&] {
     for (size_t b = 0; b < o.num_buckets(); ++b) {
@@ -123,7 +127,8 @@ nlohmann::json Engine(const std::string& socket, uint64_t params, int buckets, i
 nlohmann::json Doorbell(const std::string& socket, int iters) {
   auto client = tsd::Client::Connect(socket);
   if (!client.ok()) throw std::runtime_error(std::string(client.status().message()));
-  if (auto s = (*client)->Attach("bench-doorbell"); !s.ok()) throw std::runtime_error(std::string(s.message()));
+  if (auto s = (*client)->Attach("bench-doorbell"); !s.ok())
+    throw std::runtime_error(std::string(s.message()));
   tsd::OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 0, tsd::DType::kF32, tsd::DType::kF32}};
@@ -132,7 +137,8 @@ nlohmann::json Doorbell(const std::string& socket, int iters) {
   std::vector<double> ring, grpc;
   for (int i = 0; i < iters + 100; ++i) {
     const auto t0 = Clock::now();
-    if (!(*opt)->Ready(0).ok() || !(*opt)->Wait(0).ok()) throw std::runtime_error("doorbell failed");
+    if (!(*opt)->Ready(0).ok() || !(*opt)->Wait(0).ok())
+      throw std::runtime_error("doorbell failed");
     if (i >= 100) ring.push_back(Seconds(t0, Clock::now()) * 1e6);
   }
   for (int i = 0; i < iters / 4 + 100; ++i) {
@@ -154,7 +160,10 @@ nlohmann::json Doorbell(const std::string& socket, int iters) {
 
 uint64_t ParseCount(const std::string& s) {
   const char unit = s.empty() ? '\0' : s.back();
-  const uint64_t mult = unit == 'M' ? 1000000ull : unit == 'G' ? 1000000000ull : unit == 'K' ? 1000ull : 1;
+  const uint64_t mult = unit == 'M'   ? 1000000ull
+                        : unit == 'G' ? 1000000000ull
+                        : unit == 'K' ? 1000ull
+                                      : 1;
   return std::stoull(mult == 1 ? s : s.substr(0, s.size() - 1)) * mult;
 }
 
@@ -163,16 +172,24 @@ uint64_t ParseCount(const std::string& s) {
 int main(int argc, char** argv) {
   std::string socket, only;
   uint64_t params = 256000000;
-  int buckets = 64, steps = 5, threads = static_cast<int>(std::thread::hardware_concurrency()), iters = 20000;
+  int buckets = 64, steps = 5, threads = static_cast<int>(std::thread::hardware_concurrency()),
+      iters = 20000;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--socket") socket = v;
-    else if (k == "--params") params = ParseCount(v);
-    else if (k == "--buckets") buckets = std::stoi(v);
-    else if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--threads") threads = std::stoi(v);
-    else if (k == "--iters") iters = std::stoi(v);
-    else if (k == "--only") only = v;
+    if (k == "--socket")
+      socket = v;
+    else if (k == "--params")
+      params = ParseCount(v);
+    else if (k == "--buckets")
+      buckets = std::stoi(v);
+    else if (k == "--steps")
+      steps = std::stoi(v);
+    else if (k == "--threads")
+      threads = std::stoi(v);
+    else if (k == "--iters")
+      iters = std::stoi(v);
+    else if (k == "--only")
+      only = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -183,14 +200,20 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "engine" || only == "stream") {
       const auto [copy, tri] = Stream(std::max<uint64_t>(params, 64ull << 20), threads, 5);
       triad = std::max(copy, tri);  // the bandwidth the bound is computed from
-      std::printf("%s\n", nlohmann::json({{"bench", "stream"}, {"threads", threads}, {"copy_gb_per_s", copy},
-                                          {"triad_gb_per_s", tri}}).dump().c_str());
+      std::printf("%s\n", nlohmann::json({{"bench", "stream"},
+                                          {"threads", threads},
+                                          {"copy_gb_per_s", copy},
+                                          {"triad_gb_per_s", tri}})
+                              .dump()
+                              .c_str());
       std::fflush(stdout);
     }
     if (only.empty() || only == "engine") {
-      std::printf("%s\n", Engine(socket, params, buckets, steps, tsd::DType::kF32, triad).dump().c_str());
+      std::printf("%s\n",
+                  Engine(socket, params, buckets, steps, tsd::DType::kF32, triad).dump().c_str());
       std::fflush(stdout);
-      std::printf("%s\n", Engine(socket, params, buckets, steps, tsd::DType::kBF16, triad).dump().c_str());
+      std::printf("%s\n",
+                  Engine(socket, params, buckets, steps, tsd::DType::kBF16, triad).dump().c_str());
       std::fflush(stdout);
     }
     if (only.empty() || only == "doorbell") {

@@ -7,9 +7,9 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/ascii.h"
 #include "proto/wire.h"
 
 namespace tsd {
@@ -18,7 +18,8 @@ absl::StatusOr<InstanceLock> InstanceLock::Acquire(const std::string& socket_pat
   const std::string path = wire::LockFilePath(socket_path);
   const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot open lock file ", path, ": ", std::strerror(errno)));
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot open lock file ", path, ": ", std::strerror(errno)));
   }
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     char buf[32] = {};
@@ -31,9 +32,11 @@ absl::StatusOr<InstanceLock> InstanceLock::Acquire(const std::string& socket_pat
         "` or `systemctl stop tsd`) or start this one with another --socket"));
   }
   const std::string pid = absl::StrCat(getpid(), "\n");
-  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+  if (ftruncate(fd, 0) != 0 ||
+      pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
     close(fd);
-    return absl::InternalError(absl::StrCat("cannot write lock file ", path, ": ", std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("cannot write lock file ", path, ": ", std::strerror(errno)));
   }
   return InstanceLock(fd, path);
 }

@@ -13,7 +13,9 @@ class InstanceLock final {
  public:
   // Takes the lock for `socket_path`, or fails with FAILED_PRECONDITION naming the holder's pid.
   static absl::StatusOr<InstanceLock> Acquire(const std::string& socket_path);
-  InstanceLock(InstanceLock&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) { other.fd_ = -1; }
+  InstanceLock(InstanceLock&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) {
+    other.fd_ = -1;
+  }
   InstanceLock& operator=(InstanceLock&&) = delete;
   InstanceLock(const InstanceLock&) = delete;
   ~InstanceLock();

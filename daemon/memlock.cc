@@ -33,11 +33,12 @@ MemlockProbe ProbeMemlock(uint64_t pool_bytes) {
     p.can_lock = true;
     return p;
   }
-  p.reason = absl::StrCat("the memlock limit (RLIMIT_MEMLOCK) is ", wire::FormatBytes(rl.rlim_cur),
-                          ", below the pool's ", wire::FormatBytes(pool_bytes),
-                          ": regions are populated but not locked and may be swapped. Raise it with "
-                          "LimitMEMLOCK=infinity in the systemd unit, `ulimit -l unlimited`, or "
-                          "run with CAP_IPC_LOCK");
+  p.reason =
+      absl::StrCat("the memlock limit (RLIMIT_MEMLOCK) is ", wire::FormatBytes(rl.rlim_cur),
+                   ", below the pool's ", wire::FormatBytes(pool_bytes),
+                   ": regions are populated but not locked and may be swapped. Raise it with "
+                   "LimitMEMLOCK=infinity in the systemd unit, `ulimit -l unlimited`, or "
+                   "run with CAP_IPC_LOCK");
   return p;
 }
 

@@ -14,32 +14,36 @@
 namespace tsd {
 
 absl::StatusOr<std::unique_ptr<Region>> Region::Create(uint64_t id, std::string name,
-                                                        uint64_t bytes, bool lock) {
+                                                       uint64_t bytes, bool lock) {
   if (bytes == 0 || bytes % wire::kPageBytes != 0) {
-    return absl::InternalError(absl::StrCat("region size ", bytes, " is not a positive page multiple"));
+    return absl::InternalError(
+        absl::StrCat("region size ", bytes, " is not a positive page multiple"));
   }
   std::unique_ptr<Region> r(new Region(id, std::move(name), bytes));
   const std::string label = absl::StrCat("tsd:", r->name_);
   r->fd_ = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (r->fd_ < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("memfd_create failed: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("memfd_create failed: ", std::strerror(errno)));
   }
   const off_t size = static_cast<off_t>(bytes);
   if (ftruncate(r->fd_, size) != 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("ftruncate(", bytes, ") failed: ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ftruncate(", bytes, ") failed: ", std::strerror(errno)));
   }
   // Allocate every page now: running out of memory is an error here, never a SIGBUS later.
   if (fallocate(r->fd_, 0, 0, size) != 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("the host could not provide ", wire::FormatBytes(bytes),
-                                                     " for region '", r->name_, "': ", std::strerror(errno)));
+    return absl::ResourceExhaustedError(absl::StrCat("the host could not provide ",
+                                                     wire::FormatBytes(bytes), " for region '",
+                                                     r->name_, "': ", std::strerror(errno)));
   }
   if (fcntl(r->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return absl::InternalError(absl::StrCat("sealing the memfd failed: ", std::strerror(errno)));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd_, 0);
   if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("mmap of ", wire::FormatBytes(bytes), " failed: ",
-                                                     std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of ", wire::FormatBytes(bytes), " failed: ", std::strerror(errno)));
   }
   r->data_ = p;
   if (lock) {

@@ -18,7 +18,7 @@ class Region final {
  public:
   // Creates a region of `bytes` (a multiple of the page size). `lock` asks for mlock().
   static absl::StatusOr<std::unique_ptr<Region>> Create(uint64_t id, std::string name,
-                                                         uint64_t bytes, bool lock);
+                                                        uint64_t bytes, bool lock);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -32,7 +32,8 @@ class Region final {
   int fd() const { return fd_; }
 
  private:
-  Region(uint64_t id, std::string name, uint64_t bytes) : id_(id), name_(std::move(name)), bytes_(bytes) {}
+  Region(uint64_t id, std::string name, uint64_t bytes)
+      : id_(id), name_(std::move(name)), bytes_(bytes) {}
 
   const uint64_t id_;
   const std::string name_;

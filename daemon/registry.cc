@@ -100,16 +100,18 @@ absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const s
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session ", session_id, " is not pending: it never existed, expired, or ended; call Attach again"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("session ", session_id,
+                     " is not pending: it never existed, expired, or ended; call Attach again"));
   }
   Session& s = it->second;
   if (!TokenEquals(s.token, token)) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
   }
   if (s.live) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "session ", session_id, " already completed its hello; a token works for one connection only"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("session ", session_id,
+                     " already completed its hello; a token works for one connection only"));
   }
   HelloResult result;
   result.job = s.job;
@@ -123,8 +125,8 @@ absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const s
   if (job == jobs_.end()) {
     if (jobs_.size() >= options_.max_jobs) {
       sessions_.erase(it);
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the daemon holds ", jobs_.size(), " jobs, its limit; detach unused jobs first"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the daemon holds ", jobs_.size(), " jobs, its limit; detach unused jobs first"));
     }
     Job j;
     j.instance = next_job_instance_++;
@@ -133,7 +135,8 @@ absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const s
     j.quota_bytes = s.requested_quota;
     job = jobs_.emplace(j.name, std::move(j)).first;
     result.job_created = true;
-    spdlog::info("event=job_created job={} uid={} quota_bytes={}", result.job, uid, s.requested_quota);
+    spdlog::info("event=job_created job={} uid={} quota_bytes={}", result.job, uid,
+                 s.requested_quota);
   }
   s.live = true;
   s.uid = uid;
@@ -141,15 +144,16 @@ absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const s
   job->second.sessions.insert(session_id);
   job->second.orphaned_since.reset();
   result.quota_bytes = job->second.quota_bytes;
-  spdlog::info("event=session_attached job={} session={} uid={} pid={}", result.job, session_id, uid, pid);
+  spdlog::info("event=session_attached job={} session={} uid={} pid={}", result.job, session_id,
+               uid, pid);
   return result;
 }
 
 absl::StatusOr<Registry::Session*> Registry::LiveSession(const v1::SessionRef& ref) {
   auto it = sessions_.find(ref.session_id());
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("session ", ref.session_id(),
-                                            " does not exist (ended, or never attached); attach again"));
+    return absl::NotFoundError(absl::StrCat(
+        "session ", ref.session_id(), " does not exist (ended, or never attached); attach again"));
   }
   if (!TokenEquals(it->second.token, ref.token())) {
     return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", ref.session_id()));
@@ -181,13 +185,15 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const 
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
   if (name.rfind("opt/", 0) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("region name '", name, "': names starting with 'opt/' are "
+    return absl::InvalidArgumentError(absl::StrCat("region name '", name,
+                                                   "': names starting with 'opt/' are "
                                                    "reserved for the optimizer engine"));
   }
   return AllocInternal(ref, name, size_bytes);
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref, const std::string& name,
+absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref,
+                                                       const std::string& name,
                                                        uint64_t size_bytes) {
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
@@ -200,31 +206,34 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
       return absl::InvalidArgumentError("region size is 0 bytes; ask for at least 1 byte");
     }
     if (size_bytes > options_.pool_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "region '", name, "' asks ", size_bytes, " bytes (", FormatBytes(size_bytes),
-          "), more than the whole pool of ", FormatBytes(options_.pool_bytes)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("region '", name, "' asks ", size_bytes, " bytes (", FormatBytes(size_bytes),
+                       "), more than the whole pool of ", FormatBytes(options_.pool_bytes)));
     }
     bytes = RoundUpToPage(size_bytes);
     if (job.names.count(name) != 0) {
-      return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has a region named '",
-                                                   name, "'; free it or pick another name"));
+      return absl::AlreadyExistsError(absl::StrCat("job '", job.name,
+                                                   "' already has a region named '", name,
+                                                   "'; free it or pick another name"));
     }
     if (job.names.size() >= options_.max_regions_per_job) {
-      return absl::ResourceExhaustedError(absl::StrCat("job '", job.name, "' holds ", job.names.size(),
-                                                       " regions, the limit; free some first"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", job.name, "' holds ", job.names.size(), " regions, the limit; free some first"));
     }
     if (job.used_bytes + bytes > job.quota_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "region '", name, "' (", FormatBytes(bytes), ") would exceed job '", job.name,
-          "''s quota: it holds ", FormatBytes(job.used_bytes), " of ", FormatBytes(job.quota_bytes), " (",
-          FormatBytes(job.quota_bytes - job.used_bytes), " free); free regions, or start the job with a larger "
-          "quota (at most ", FormatBytes(options_.max_job_quota_bytes), ")"));
+          "''s quota: it holds ", FormatBytes(job.used_bytes), " of ", FormatBytes(job.quota_bytes),
+          " (", FormatBytes(job.quota_bytes - job.used_bytes),
+          " free); free regions, or start the job with a larger "
+          "quota (at most ",
+          FormatBytes(options_.max_job_quota_bytes), ")"));
     }
     if (used_bytes_ + bytes > options_.pool_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "region '", name, "' (", FormatBytes(bytes), ") does not fit in the pool: ",
-          FormatBytes(options_.pool_bytes - used_bytes_), " free of ", FormatBytes(options_.pool_bytes),
-          "; held by ", HoldersLocked()));
+          "region '", name, "' (", FormatBytes(bytes),
+          ") does not fit in the pool: ", FormatBytes(options_.pool_bytes - used_bytes_),
+          " free of ", FormatBytes(options_.pool_bytes), "; held by ", HoldersLocked()));
     }
     job.used_bytes += bytes;
     used_bytes_ += bytes;
@@ -242,8 +251,8 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
   if (job == jobs_.end() || job->second.instance != instance) {
     // The job was released meanwhile (its last session died); that already uncharged the pool.
     if (region.ok()) dead = std::move(*region);
-    return absl::NotFoundError(absl::StrCat("job '", job_name, "' was released while region '", name,
-                                            "' was being allocated"));
+    return absl::NotFoundError(absl::StrCat("job '", job_name, "' was released while region '",
+                                            name, "' was being allocated"));
   }
   if (!region.ok()) {
     job->second.used_bytes -= bytes;
@@ -269,12 +278,14 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
     Job& job = jobs_.at((*session)->job);
     auto it = job.regions.find(region_id);
     if (it != job.regions.end() && job.optimizer && it->second->name().rfind("opt/", 0) == 0) {
-      return absl::FailedPreconditionError(absl::StrCat("region '", it->second->name(),
-                                                        "' belongs to the job's optimizer; it is freed with the job"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("region '", it->second->name(),
+                       "' belongs to the job's optimizer; it is freed with the job"));
     }
     if (it == job.regions.end()) {
-      return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '", job.name,
-                                              "' (it holds ", job.regions.size(), " regions; see ListRegions)"));
+      return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '",
+                                              job.name, "' (it holds ", job.regions.size(),
+                                              " regions; see ListRegions)"));
     }
     dead = std::move(it->second);
     job.regions.erase(it);
@@ -304,21 +315,21 @@ absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id
   const Job& job = jobs_.at(it->second.job);
   auto region = job.regions.find(region_id);
   if (region == job.regions.end()) {
-    return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '", job.name,
-                                            "' (it holds ", job.regions.size(), " regions; see ListRegions)"));
+    return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '",
+                                            job.name, "' (it holds ", job.regions.size(),
+                                            " regions; see ListRegions)"));
   }
   RegionFd out;
   out.fd = fcntl(region->second->fd(), F_DUPFD_CLOEXEC, 0);
   if (out.fd < 0) {
-    return absl::ResourceExhaustedError(absl::StrCat("the daemon could not duplicate a descriptor: ",
-                                                     std::strerror(errno)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the daemon could not duplicate a descriptor: ", std::strerror(errno)));
   }
   out.info = Describe(*region->second);
   return out;
 }
 
-void Registry::ReleaseJobLocked(const std::string& name, const char* why,
-                                Released& dead) {
+void Registry::ReleaseJobLocked(const std::string& name, const char* why, Released& dead) {
   auto it = jobs_.find(name);
   if (it == jobs_.end()) return;
   Job& job = it->second;
@@ -331,8 +342,7 @@ void Registry::ReleaseJobLocked(const std::string& name, const char* why,
   jobs_.erase(it);
 }
 
-void Registry::RemoveSessionLocked(uint64_t session_id, const char* why,
-                                   Released& dead) {
+void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
   const bool live = it->second.live;
@@ -388,7 +398,8 @@ void Registry::Sweep(absl::Time now) {
   for (uint64_t sid : failed_sessions) RemoveSessionLocked(sid, "optimizer_failed", dead);
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
-    if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace) orphans.push_back(name);
+    if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)
+      orphans.push_back(name);
   }
   for (const auto& name : orphans) ReleaseJobLocked(name, "orphan_grace_expired", dead);
 }
@@ -425,9 +436,12 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 
 namespace tsd {
 
-absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const v1::RegisterOptimizerRequest& req) {
-  const RegistryOptions options = this->options();  // a consistent copy (SIGHUP may resize the pool)
-  if (options.pool == nullptr) return absl::InternalError("this daemon runs without an optimizer engine");
+absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
+    const v1::RegisterOptimizerRequest& req) {
+  const RegistryOptions options =
+      this->options();  // a consistent copy (SIGHUP may resize the pool)
+  if (options.pool == nullptr)
+    return absl::InternalError("this daemon runs without an optimizer engine");
   auto plan = JobOptimizer::Plan(req, options.pool_bytes);
   if (!plan.ok()) return plan.status();
   {
@@ -436,7 +450,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const 
     if (!session.ok()) return session.status();
     const Job& job = jobs_.at((*session)->job);
     if (job.optimizer) {
-      return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("job '", job.name, "' already has an optimizer"));
     }
     const uint64_t need = plan->total_bytes();
     if (job.used_bytes + need > job.quota_bytes) {
@@ -462,7 +477,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const 
     auto info = AllocInternal(req.session(), name, bytes);
     if (!info.ok()) {
       if (info.status().code() == absl::StatusCode::kAlreadyExists) {
-        return undo(absl::AlreadyExistsError("another optimizer registration of this job is in progress"));
+        return undo(
+            absl::AlreadyExistsError("another optimizer registration of this job is in progress"));
       }
       return undo(info.status());
     }
@@ -474,16 +490,18 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const 
   if (!session.ok()) return session.status();
   Job& job = jobs_.at((*session)->job);
   OptimizerRegions regions;
-  std::shared_ptr<Region>* slots[] = {&regions.control, &regions.master, &regions.exp_avg, &regions.exp_avg_sq,
-                                      &regions.grads,   &regions.params, &regions.accum};
+  std::shared_ptr<Region>* slots[] = {&regions.control,    &regions.master, &regions.exp_avg,
+                                      &regions.exp_avg_sq, &regions.grads,  &regions.params,
+                                      &regions.accum};
   for (size_t i = 0, m = 0; i < std::size(wanted); ++i) {
     if (wanted[i].second == 0) continue;
     auto it = job.regions.find(made[m++]);
-    if (it == job.regions.end()) return absl::NotFoundError("an optimizer region vanished during registration");
+    if (it == job.regions.end())
+      return absl::NotFoundError("an optimizer region vanished during registration");
     *slots[i] = it->second;
   }
-  auto optimizer =
-      std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool, options_.isa, options_.metrics);
+  auto optimizer = std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool,
+                                                  options_.isa, options_.metrics);
   optimizer->Start();
   job.optimizer = optimizer;
   job.optimizer_session = req.session().session_id();
@@ -497,9 +515,11 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(const 
   resp.set_state_bytes(plan->total_bytes());
   resp.set_isa(kernels::IsaName(options_.isa));
   resp.set_threads(static_cast<uint32_t>(options_.pool->threads()));
-  spdlog::info("event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} accumulate={}",
-               job.name, plan->buckets.size(), plan->groups.size(), plan->total_bytes(), kernels::IsaName(options_.isa),
-               plan->max_grad_norm, plan->accumulate);
+  spdlog::info(
+      "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
+      "accumulate={}",
+      job.name, plan->buckets.size(), plan->groups.size(), plan->total_bytes(),
+      kernels::IsaName(options_.isa), plan->max_grad_norm, plan->accumulate);
   return resp;
 }
 
@@ -510,7 +530,9 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
     return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
   }
   const Job& job = jobs_.at(it->second.job);
-  if (!job.optimizer) return absl::NotFoundError(absl::StrCat("job '", job.name, "' has no optimizer; register one first"));
+  if (!job.optimizer)
+    return absl::NotFoundError(
+        absl::StrCat("job '", job.name, "' has no optimizer; register one first"));
   return job.optimizer;
 }
 
@@ -528,10 +550,10 @@ absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_b
                                    absl::Duration orphan_grace) {
   absl::MutexLock lock(&mu_);
   if (pool_bytes < used_bytes_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the new pool of ", FormatBytes(pool_bytes), " is smaller than the ", FormatBytes(used_bytes_),
-        " jobs hold now (", HoldersLocked(), "); free memory first or keep a pool of at least ",
-        FormatBytes(used_bytes_)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the new pool of ", FormatBytes(pool_bytes), " is smaller than the ",
+                     FormatBytes(used_bytes_), " jobs hold now (", HoldersLocked(),
+                     "); free memory first or keep a pool of at least ", FormatBytes(used_bytes_)));
   }
   options_.pool_bytes = pool_bytes;
   options_.max_job_quota_bytes = std::min(max_job_quota_bytes, pool_bytes);
@@ -548,7 +570,8 @@ Registry::MetricsView Registry::View() const {
   for (const auto& [id, session] : sessions_) v.pool.sessions += session.live ? 1 : 0;
   v.max_job_quota_bytes = options_.max_job_quota_bytes;
   for (const auto& [name, job] : jobs_) {
-    for (const auto& [id, region] : job.regions) v.locked_bytes += region->locked() ? region->bytes() : 0;
+    for (const auto& [id, region] : job.regions)
+      v.locked_bytes += region->locked() ? region->bytes() : 0;
     v.jobs.push_back(DescribeJob(name, job));
   }
   return v;

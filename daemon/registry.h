@@ -81,8 +81,8 @@ class Registry final {
   ~Registry();
 
   absl::StatusOr<AttachGrant> BeginAttach(const std::string& job, uint64_t quota_bytes);
-  absl::StatusOr<HelloResult> CompleteHello(uint64_t session_id, const std::string& token, uid_t uid,
-                                            pid_t pid);
+  absl::StatusOr<HelloResult> CompleteHello(uint64_t session_id, const std::string& token,
+                                            uid_t uid, pid_t pid);
   absl::StatusOr<v1::RegionInfo> Alloc(const v1::SessionRef& ref, const std::string& name,
                                        uint64_t size_bytes);
   absl::StatusOr<uint64_t> Free(const v1::SessionRef& ref, uint64_t region_id);
@@ -91,7 +91,8 @@ class Registry final {
   absl::StatusOr<bool> Detach(const v1::SessionRef& ref);
   // Sets up the job's optimizer (see JobOptimizer): allocates its regions (charged to the job's
   // quota), starts it, and returns the layout. All or nothing.
-  absl::StatusOr<v1::RegisterOptimizerResponse> RegisterOptimizer(const v1::RegisterOptimizerRequest& request);
+  absl::StatusOr<v1::RegisterOptimizerResponse> RegisterOptimizer(
+      const v1::RegisterOptimizerRequest& request);
   // The optimizer of a live session's job (NOT_FOUND when there is none).
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerOf(uint64_t session_id);
   // For a live session (already bound to its side connection): a dup of a region's memfd.
@@ -157,14 +158,18 @@ class Registry final {
   };
 
   // Finds the live session `ref` names, checking its token. Needs mu_.
-  absl::StatusOr<Session*> LiveSession(const v1::SessionRef& ref) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Session*> LiveSession(const v1::SessionRef& ref)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
   // the lock is dropped.
-  void ReleaseJobLocked(const std::string& name, const char* why, Released& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseJobLocked(const std::string& name, const char* why, Released& dead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; releases its job when it was the last and the grace period is zero.
-  void RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
-  absl::StatusOr<v1::RegionInfo> AllocInternal(const v1::SessionRef& ref, const std::string& name, uint64_t size_bytes);
+  absl::StatusOr<v1::RegionInfo> AllocInternal(const v1::SessionRef& ref, const std::string& name,
+                                               uint64_t size_bytes);
   std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
   static v1::JobInfo DescribeJob(const std::string& name, const Job& job);

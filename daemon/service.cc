@@ -9,7 +9,8 @@ namespace tsd {
 
 using wire::ToGrpc;
 
-grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::AttachRequest* req, v1::AttachResponse* resp) {
+grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::AttachRequest* req,
+                                v1::AttachResponse* resp) {
   auto grant = registry_.BeginAttach(req->job(), req->quota_bytes());
   if (!grant.ok()) return ToGrpc(grant.status());
   resp->mutable_session()->set_session_id(grant->session_id);
@@ -21,21 +22,24 @@ grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::AttachRequest* r
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::Detach(grpc::ServerContext*, const v1::DetachRequest* req, v1::DetachResponse* resp) {
+grpc::Status TsdService::Detach(grpc::ServerContext*, const v1::DetachRequest* req,
+                                v1::DetachResponse* resp) {
   auto released = registry_.Detach(req->session());
   if (!released.ok()) return ToGrpc(released.status());
   resp->set_job_released(*released);
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::Alloc(grpc::ServerContext*, const v1::AllocRequest* req, v1::AllocResponse* resp) {
+grpc::Status TsdService::Alloc(grpc::ServerContext*, const v1::AllocRequest* req,
+                               v1::AllocResponse* resp) {
   auto info = registry_.Alloc(req->session(), req->name(), req->size_bytes());
   if (!info.ok()) return ToGrpc(info.status());
   *resp->mutable_region() = *info;
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::Free(grpc::ServerContext*, const v1::FreeRequest* req, v1::FreeResponse* resp) {
+grpc::Status TsdService::Free(grpc::ServerContext*, const v1::FreeRequest* req,
+                              v1::FreeResponse* resp) {
   auto freed = registry_.Free(req->session(), req->region_id());
   if (!freed.ok()) return ToGrpc(freed.status());
   resp->set_freed_bytes(*freed);
@@ -50,7 +54,8 @@ grpc::Status TsdService::ListRegions(grpc::ServerContext*, const v1::ListRegions
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse* resp) {
+grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
+                                v1::StatusResponse* resp) {
   const PoolSnapshot s = registry_.Snapshot();
   resp->set_version(kVersion);
   resp->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
@@ -64,12 +69,14 @@ grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*, 
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*, v1::ListJobsResponse* resp) {
+grpc::Status TsdService::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                                  v1::ListJobsResponse* resp) {
   for (auto& j : registry_.Jobs()) *resp->add_jobs() = std::move(j);
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::RegisterOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest* req,
+grpc::Status TsdService::RegisterOptimizer(grpc::ServerContext*,
+                                           const v1::RegisterOptimizerRequest* req,
                                            v1::RegisterOptimizerResponse* resp) {
   auto r = registry_.RegisterOptimizer(*req);
   if (!r.ok()) return ToGrpc(r.status());

@@ -22,7 +22,8 @@ class TsdService final : public v1::Tsd::Service {
   grpc::Status ListRegions(grpc::ServerContext*, const v1::ListRegionsRequest*,
                            v1::ListRegionsResponse*) override;
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*, v1::ListJobsResponse*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                        v1::ListJobsResponse*) override;
   grpc::Status RegisterOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest*,
                                  v1::RegisterOptimizerResponse*) override;
 

@@ -32,23 +32,29 @@ absl::Status SideServer::Listen(const std::string& path, gid_t gid) {
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("side socket path '", path, "' is longer than ",
-                                                   sizeof(addr.sun_path) - 1, " bytes; use a shorter --socket"));
+                                                   sizeof(addr.sun_path) - 1,
+                                                   " bytes; use a shorter --socket"));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (listen_fd_ < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   unlink(path.c_str());
   if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot bind side socket ", path, ": ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind side socket ", path, ": ", std::strerror(errno)));
   }
-  if (chmod(path.c_str(), 0660) != 0 || (gid != static_cast<gid_t>(-1) && chown(path.c_str(), -1, gid) != 0)) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot set mode/group of ", path, ": ", std::strerror(errno)));
+  if (chmod(path.c_str(), 0660) != 0 ||
+      (gid != static_cast<gid_t>(-1) && chown(path.c_str(), -1, gid) != 0)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot set mode/group of ", path, ": ", std::strerror(errno)));
   }
-  if (listen(listen_fd_, 512) != 0) return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
+  if (listen(listen_fd_, 512) != 0)
+    return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
   path_ = path;
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (epoll_fd_ < 0 || wake_fd_ < 0) return absl::InternalError(absl::StrCat("epoll/eventfd: ", std::strerror(errno)));
+  if (epoll_fd_ < 0 || wake_fd_ < 0)
+    return absl::InternalError(absl::StrCat("epoll/eventfd: ", std::strerror(errno)));
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.fd = listen_fd_;
@@ -58,7 +64,9 @@ absl::Status SideServer::Listen(const std::string& path, gid_t gid) {
   return absl::OkStatus();
 }
 
-void SideServer::Start() { thread_ = std::thread([this] { Loop(); }); }
+void SideServer::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
 
 void SideServer::Shutdown(const std::string& notice) {
   if (!thread_.joinable()) return;
@@ -74,7 +82,8 @@ void SideServer::Loop() {
   std::vector<epoll_event> events(256);
   absl::Time last_sweep = absl::Now();
   while (!stopping_.load()) {
-    const int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), kSweepIntervalMs);
+    const int n =
+        epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), kSweepIntervalMs);
     if (n < 0 && errno != EINTR) {
       spdlog::error("event=epoll_failed error=\"{}\"", std::strerror(errno));
       break;
@@ -102,7 +111,8 @@ void SideServer::Loop() {
       registry_.Sweep(now);
       std::vector<int> stale;
       for (const auto& [fd, c] : conns_) {
-        if (c.session_id == 0 && now - c.accepted > registry_.options().hello_timeout) stale.push_back(fd);
+        if (c.session_id == 0 && now - c.accepted > registry_.options().hello_timeout)
+          stale.push_back(fd);
       }
       for (int fd : stale) CloseConn(fd, "no_hello_in_time");
     }
@@ -139,7 +149,8 @@ void SideServer::AcceptAll() {
       continue;
     }
     if (conns_.size() >= kMaxConnections) {
-      spdlog::warn("event=connection_refused reason=too_many_connections uid={} pid={}", cred.uid, cred.pid);
+      spdlog::warn("event=connection_refused reason=too_many_connections uid={} pid={}", cred.uid,
+                   cred.pid);
       close(fd);
       continue;
     }
@@ -197,7 +208,8 @@ bool SideServer::HandleMessage(Conn& conn, const std::string& bytes, int fd) {
   if (fd >= 0 && !wants_fd) {
     close(fd);
     fd = -1;
-    spdlog::warn("event=unexpected_fd uid={} pid={} session={}", conn.uid, conn.pid, conn.session_id);
+    spdlog::warn("event=unexpected_fd uid={} pid={} session={}", conn.uid, conn.pid,
+                 conn.session_id);
   }
   struct FdCloser {
     int fd;
@@ -247,7 +259,8 @@ bool SideServer::HandleMessage(Conn& conn, const std::string& bytes, int fd) {
       ReplyError(conn, optimizer.status());
       return true;
     }
-    auto bytes_moved = req.has_save_state() ? (*optimizer)->SaveState(fd) : (*optimizer)->LoadState(fd);
+    auto bytes_moved =
+        req.has_save_state() ? (*optimizer)->SaveState(fd) : (*optimizer)->LoadState(fd);
     if (!bytes_moved.ok()) {
       ReplyError(conn, bytes_moved.status());
       return true;
@@ -273,8 +286,8 @@ void SideServer::Reply(Conn& conn, const v1::SideReply& reply, int fd) {
   std::string bytes;
   reply.SerializeToString(&bytes);
   if (absl::Status s = wire::SendDatagram(conn.fd, bytes, fd); !s.ok()) {
-    spdlog::warn("event=side_reply_failed uid={} pid={} session={} error=\"{}\"", conn.uid, conn.pid,
-                 conn.session_id, std::string(s.message()));
+    spdlog::warn("event=side_reply_failed uid={} pid={} session={} error=\"{}\"", conn.uid,
+                 conn.pid, conn.session_id, std::string(s.message()));
   }
 }
 
@@ -294,7 +307,8 @@ void SideServer::CloseConn(int fd, const char* why) {
   epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
   close(fd);
   if (c.session_id != 0) {
-    spdlog::debug("event=side_closed session={} uid={} pid={} reason={}", c.session_id, c.uid, c.pid, why);
+    spdlog::debug("event=side_closed session={} uid={} pid={} reason={}", c.session_id, c.uid,
+                  c.pid, why);
     registry_.SessionDisconnected(c.session_id);
   }
 }

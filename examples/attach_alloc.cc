@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
   auto rank0 = tsd::Client::Connect(socket);
   if (!rank0.ok()) return Die("connect", rank0.status());
   std::printf("connected to tsd at %s\n", (*rank0)->socket_path().c_str());
-  if (auto s = (*rank0)->Attach("attach-alloc-example", (mib + 16) << 20); !s.ok()) return Die("attach", s);
+  if (auto s = (*rank0)->Attach("attach-alloc-example", (mib + 16) << 20); !s.ok())
+    return Die("attach", s);
   std::printf("attached to job '%s' (session %llu, quota %llu MiB)\n", (*rank0)->job().c_str(),
               static_cast<unsigned long long>((*rank0)->session_id()),
               static_cast<unsigned long long>((*rank0)->quota_bytes() >> 20));
@@ -51,12 +52,14 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < n; ++i) words[i] = i * 0x9E3779B97F4A7C15ull;
   std::printf("allocated region '%s': %llu MiB, %s, CUDA-registered: %s; wrote %zu words\n",
               (*region)->name().c_str(), static_cast<unsigned long long>((*region)->size() >> 20),
-              (*region)->locked() ? "locked" : "not locked", (*region)->cuda_registered() ? "yes" : "no", n);
+              (*region)->locked() ? "locked" : "not locked",
+              (*region)->cuda_registered() ? "yes" : "no", n);
 
   // A second session of the same job maps the region and reads what the first one wrote.
   auto rank1 = tsd::Client::Connect(socket);
   if (!rank1.ok()) return Die("connect (second session)", rank1.status());
-  if (auto s = (*rank1)->Attach("attach-alloc-example"); !s.ok()) return Die("attach (second session)", s);
+  if (auto s = (*rank1)->Attach("attach-alloc-example"); !s.ok())
+    return Die("attach (second session)", s);
   auto view = (*rank1)->Map("weights");
   if (!view.ok()) return Die("map", view.status());
   const auto* seen = static_cast<const uint64_t*>((*view)->data());
@@ -68,8 +71,8 @@ int main(int argc, char** argv) {
   if (!status.ok()) return Die("status", status.status());
   std::printf("pool: %llu of %llu MiB used, %u job(s), %u session(s), locked: %s\n",
               static_cast<unsigned long long>(status->used_bytes >> 20),
-              static_cast<unsigned long long>(status->pool_bytes >> 20), status->jobs, status->sessions,
-              status->locked ? "yes" : "no");
+              static_cast<unsigned long long>(status->pool_bytes >> 20), status->jobs,
+              status->sessions, status->locked ? "yes" : "no");
   if (auto s = (*rank0)->Free(*region); !s.ok()) return Die("free", s);
   std::printf("freed; detaching\n");
   return bad == 0 ? 0 : 1;

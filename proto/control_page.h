@@ -66,7 +66,8 @@ struct alignas(64) ControlHeader {
   alignas(64) double last_grad_norm;              // daemon: the global norm of the last commit
 };
 
-static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free,
+static_assert(std::atomic<uint64_t>::is_always_lock_free &&
+                  std::atomic<uint32_t>::is_always_lock_free,
               "control page counters must be lock-free to live in shared memory");
 
 // Byte offsets of the page's parts for `groups` groups and `buckets` buckets.
@@ -86,7 +87,8 @@ struct ControlView {
 
   static ControlView Of(void* base, uint32_t groups) {
     auto* p = static_cast<char*>(base);
-    return {reinterpret_cast<ControlHeader*>(p), reinterpret_cast<ControlGroup*>(p + ControlGroupsOffset()),
+    return {reinterpret_cast<ControlHeader*>(p),
+            reinterpret_cast<ControlGroup*>(p + ControlGroupsOffset()),
             reinterpret_cast<ControlBucket*>(p + ControlBucketsOffset(groups))};
   }
 };

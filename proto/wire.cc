@@ -36,7 +36,9 @@ std::string SideSocketPath(const std::string& socket_path) {
   return absl::StrCat(socket_path, ".fd");
 }
 
-std::string LockFilePath(const std::string& socket_path) { return absl::StrCat(socket_path, ".lock"); }
+std::string LockFilePath(const std::string& socket_path) {
+  return absl::StrCat(socket_path, ".lock");
+}
 
 absl::Status ValidateName(const std::string& what, const std::string& name) {
   if (name.empty()) {
@@ -44,8 +46,8 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
                                                    " characters of [A-Za-z0-9._:/-]"));
   }
   if (name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " name is ", name.size(),
-                                                   " bytes long; the limit is ", kMaxNameBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " name is ", name.size(), " bytes long; the limit is ", kMaxNameBytes));
   }
   if (name[0] == '/' || name[0] == '.') {
     return absl::InvalidArgumentError(
@@ -65,8 +67,8 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
 
 absl::Status SendDatagram(int sock, const std::string& bytes, int fd) {
   if (bytes.size() > kMaxSideMessageBytes) {
-    return absl::InternalError(absl::StrCat("side message of ", bytes.size(), " bytes exceeds ",
-                                            kMaxSideMessageBytes));
+    return absl::InternalError(
+        absl::StrCat("side message of ", bytes.size(), " bytes exceeds ", kMaxSideMessageBytes));
   }
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
@@ -112,7 +114,8 @@ absl::StatusOr<Datagram> ReceiveDatagram(int sock, bool nonblocking, bool* would
       out.bytes.clear();
       return out;
     }
-    return absl::UnavailableError(absl::StrCat("side socket receive failed: ", std::strerror(errno)));
+    return absl::UnavailableError(
+        absl::StrCat("side socket receive failed: ", std::strerror(errno)));
   }
   // Take every descriptor the peer attached: keep the first, close the rest, so a hostile peer
   // cannot make us leak descriptors.

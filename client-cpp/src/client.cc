@@ -28,9 +28,10 @@ constexpr auto kControlDeadline = std::chrono::seconds(60);  // allocations popu
 constexpr int kSideReplyTimeoutMs = 30000;
 
 std::string HowToStart(const std::string& path) {
-  return absl::StrCat("start it with `tsd --socket ", path,
-                      "` (or `systemctl start tsd` for the system service), or point TSD_SOCKET at the "
-                      "socket of a running tsd");
+  return absl::StrCat(
+      "start it with `tsd --socket ", path,
+      "` (or `systemctl start tsd` for the system service), or point TSD_SOCKET at the "
+      "socket of a running tsd");
 }
 
 }  // namespace
@@ -77,17 +78,20 @@ struct Client::Impl {
   absl::StatusOr<std::pair<v1::SideReply, int>> ReadSide() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     pollfd p{side_fd, POLLIN, 0};
     const int ready = poll(&p, 1, kSideReplyTimeoutMs);
-    if (ready == 0) return absl::DeadlineExceededError("tsd did not answer on the side socket in time");
+    if (ready == 0)
+      return absl::DeadlineExceededError("tsd did not answer on the side socket in time");
     auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/false);
     if (!d.ok()) {
-      return absl::UnavailableError(notice.empty() ? "tsd closed the session's side connection (it stopped "
-                                                     "or dropped this session)"
-                                                   : notice);
+      return absl::UnavailableError(notice.empty()
+                                        ? "tsd closed the session's side connection (it stopped "
+                                          "or dropped this session)"
+                                        : notice);
     }
     v1::SideReply reply;
     if (!reply.ParseFromString(d->bytes)) {
       if (d->fd >= 0) close(d->fd);
-      return absl::InternalError("tsd sent a side reply this client cannot parse (version mismatch?)");
+      return absl::InternalError(
+          "tsd sent a side reply this client cannot parse (version mismatch?)");
     }
     if (reply.has_notice()) {
       notice = reply.notice().message();
@@ -113,12 +117,13 @@ struct Client::Impl {
   }
 
   // Turns a failed gRPC call into an error that says what happened to the daemon.
-  absl::Status Explain(const grpc::Status& s, const std::string& path) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  absl::Status Explain(const grpc::Status& s, const std::string& path)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return wire::FromGrpc(s);
     PollNotice();
     if (!notice.empty()) return absl::UnavailableError(notice);
-    return absl::UnavailableError(absl::StrCat("tsd at ", path, " is not answering (", s.error_message(),
-                                               "); ", HowToStart(path)));
+    return absl::UnavailableError(absl::StrCat("tsd at ", path, " is not answering (",
+                                               s.error_message(), "); ", HowToStart(path)));
   }
 };
 
@@ -132,16 +137,18 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
   const std::string path = wire::ResolveSocketPath(socket_path);
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
-    return absl::UnavailableError(absl::StrCat("no tsd is running at ", path, " (", std::strerror(errno),
-                                               "); ", HowToStart(path)));
+    return absl::UnavailableError(absl::StrCat("no tsd is running at ", path, " (",
+                                               std::strerror(errno), "); ", HowToStart(path)));
   }
   if (!S_ISSOCK(st.st_mode)) {
-    return absl::UnavailableError(absl::StrCat(path, " exists but is not a socket; ", HowToStart(path)));
+    return absl::UnavailableError(
+        absl::StrCat(path, " exists but is not a socket; ", HowToStart(path)));
   }
   std::unique_ptr<Client> c(new Client(path));
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-  c->impl_->channel = grpc::CreateCustomChannel("unix:" + path, grpc::InsecureChannelCredentials(), args);
+  c->impl_->channel =
+      grpc::CreateCustomChannel("unix:" + path, grpc::InsecureChannelCredentials(), args);
   c->impl_->stub = v1::Tsd::NewStub(c->impl_->channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -149,8 +156,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
   v1::StatusResponse resp;
   grpc::Status s = c->impl_->stub->Status(&ctx, req, &resp);
   if (!s.ok()) {
-    return absl::UnavailableError(absl::StrCat("no tsd is answering at ", path, " (", s.error_message(), "); ",
-                                               HowToStart(path)));
+    return absl::UnavailableError(absl::StrCat("no tsd is answering at ", path, " (",
+                                               s.error_message(), "); ", HowToStart(path)));
   }
   return c;
 }
@@ -175,7 +182,8 @@ uint64_t Client::session_id() const {
 absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
   absl::MutexLock lock(&impl_->mu);
   if (impl_->attached) {
-    return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '", impl_->job,
+    return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '",
+                                                      impl_->job,
                                                       "'; detach first or use another Client"));
   }
   v1::AttachRequest req;
@@ -201,8 +209,8 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
-                                               std::strerror(err)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to tsd's side socket ", side, ": ", std::strerror(err)));
   }
   v1::SideRequest hello;
   *hello.mutable_hello()->mutable_session() = resp.session();
@@ -230,7 +238,8 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
 
 absl::Status Client::Detach() {
   absl::MutexLock lock(&impl_->mu);
-  if (!impl_->attached) return absl::FailedPreconditionError("this client is not attached to a job");
+  if (!impl_->attached)
+    return absl::FailedPreconditionError("this client is not attached to a job");
   v1::DetachRequest req;
   *req.mutable_session() = impl_->session;
   v1::DetachResponse resp;
@@ -264,13 +273,15 @@ absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) 
     if (!reply.ok()) return reply.status();
     const auto& info = reply->first.fd().region();
     if (reply->second < 0) return absl::InternalError("tsd's reply carried no descriptor");
-    region.reset(new Region(RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()},
-                            reply->second));
+    region.reset(
+        new Region(RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()},
+                   reply->second));
   }
   void* p = mmap(nullptr, region->size(), PROT_READ | PROT_WRITE, MAP_SHARED, region->fd(), 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(absl::StrCat("mapping region '", region->name(), "' (",
-                                                     region->size(), " bytes) failed: ", std::strerror(errno)));
+                                                     region->size(),
+                                                     " bytes) failed: ", std::strerror(errno)));
   }
   region->data_ = p;
   if (cuda_host::CudaHostAvailable()) {
@@ -320,7 +331,8 @@ absl::StatusOr<std::vector<RegionDesc>> Client::ListRegions() {
   grpc::Status s = impl_->stub->ListRegions(&ctx, req, &resp);
   if (!s.ok()) return impl_->Explain(s, socket_path_);
   std::vector<RegionDesc> out;
-  for (const auto& r : resp.regions()) out.push_back({r.region_id(), r.name(), r.size_bytes(), r.locked()});
+  for (const auto& r : resp.regions())
+    out.push_back({r.region_id(), r.name(), r.size_bytes(), r.locked()});
   return out;
 }
 
@@ -330,8 +342,8 @@ absl::StatusOr<std::shared_ptr<Region>> Client::Map(const std::string& name) {
   for (const auto& r : *regions) {
     if (r.name == name) return FetchAndMap(r.id);
   }
-  return absl::NotFoundError(absl::StrCat("job '", job(), "' has no region named '", name, "' (it has ",
-                                          regions->size(), " regions)"));
+  return absl::NotFoundError(absl::StrCat("job '", job(), "' has no region named '", name,
+                                          "' (it has ", regions->size(), " regions)"));
 }
 
 absl::Status Client::Free(const std::shared_ptr<Region>& region) {
@@ -360,7 +372,7 @@ absl::StatusOr<PoolStatus> Client::Status() {
     absl::MutexLock lock(&impl_->mu);
     return impl_->Explain(s, socket_path_);
   }
-  return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(), r.used_bytes(), r.locked(),
+  return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
                     r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid()};
 }
 
@@ -407,7 +419,8 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
   v1::RegisterOptimizerResponse resp;
   {
     absl::MutexLock lock(&impl_->mu);
-    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job before registering an optimizer");
+    if (!impl_->attached)
+      return absl::FailedPreconditionError("attach to a job before registering an optimizer");
     *req.mutable_session() = impl_->session;
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
@@ -430,9 +443,10 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
     bk.param_offset = resp.buckets(b).param_offset();
     opt->buckets_.push_back(bk);
   }
-  const std::pair<const char*, std::shared_ptr<Region>*> maps[] = {
-      {"opt/control", &opt->control_}, {"opt/master", &opt->master_},
-      {"opt/grads", &opt->grads_},     {"opt/params", &opt->params_}};
+  const std::pair<const char*, std::shared_ptr<Region>*> maps[] = {{"opt/control", &opt->control_},
+                                                                   {"opt/master", &opt->master_},
+                                                                   {"opt/grads", &opt->grads_},
+                                                                   {"opt/params", &opt->params_}};
   for (const auto& [name, slot] : maps) {
     auto r = Map(name);
     if (!r.ok()) return r.status();
@@ -473,7 +487,8 @@ bool Client::DaemonAlive(std::string* why) {
       return false;
     }
     if (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) {
-      *why = absl::StrCat("tsd at ", socket_path_, " closed this session (the daemon exited or was killed); ",
+      *why = absl::StrCat("tsd at ", socket_path_,
+                          " closed this session (the daemon exited or was killed); ",
                           "restart it and attach again");
       return false;
     }

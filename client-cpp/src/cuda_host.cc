@@ -20,8 +20,8 @@ bool CudaHostAvailable() {
 absl::Status Register(void* ptr, size_t bytes) {
   const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterDefault);
   if (err != cudaSuccess) {
-    return absl::InternalError(absl::StrCat("cudaHostRegister of ", bytes,
-                                            " bytes failed: ", cudaGetErrorString(err)));
+    return absl::InternalError(
+        absl::StrCat("cudaHostRegister of ", bytes, " bytes failed: ", cudaGetErrorString(err)));
   }
   return absl::OkStatus();
 }

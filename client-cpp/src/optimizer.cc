@@ -28,7 +28,9 @@ Optimizer::~Optimizer() = default;
 float* Optimizer::master(size_t b) const {
   return reinterpret_cast<float*>(static_cast<char*>(master_->data()) + buckets_[b].master_offset);
 }
-void* Optimizer::grad(size_t b) const { return static_cast<char*>(grads_->data()) + buckets_[b].grad_offset; }
+void* Optimizer::grad(size_t b) const {
+  return static_cast<char*>(grads_->data()) + buckets_[b].grad_offset;
+}
 const void* Optimizer::param(size_t b) const {
   return static_cast<const char*>(params_->data()) + buckets_[b].param_offset;
 }
@@ -53,16 +55,19 @@ absl::Status Optimizer::Failure() const {
 
 absl::Status Optimizer::Ready(size_t b, bool first, bool final) {
   if (b >= buckets_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
   }
   if (absl::Status s = Failure(); !s.ok()) return s;
   auto v = View(control_, groups_);
   auto& slot = v.buckets[b];
   const uint64_t done = slot.done.load(std::memory_order_acquire);
   if (slot.ready.load(std::memory_order_relaxed) != done) {
-    return absl::FailedPreconditionError(absl::StrCat("bucket ", b, " is still being processed; Wait() for it first"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("bucket ", b, " is still being processed; Wait() for it first"));
   }
-  slot.flags.store((first ? wire::kDeliveryFirst : 0) | (final ? wire::kDeliveryFinal : 0), std::memory_order_relaxed);
+  slot.flags.store((first ? wire::kDeliveryFirst : 0) | (final ? wire::kDeliveryFinal : 0),
+                   std::memory_order_relaxed);
   slot.ready.store(done + 1, std::memory_order_release);
   v.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&v.header->doorbell);
@@ -84,7 +89,8 @@ absl::Status Optimizer::WaitUntil(Done done, absl::Duration timeout, const char*
     std::string why;
     if (!client_->DaemonAlive(&why)) return absl::UnavailableError(why);
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("tsd did not finish ", what, " within ", absl::FormatDuration(timeout)));
+      return absl::DeadlineExceededError(
+          absl::StrCat("tsd did not finish ", what, " within ", absl::FormatDuration(timeout)));
     }
     wire::FutexWait(&v.header->completions, seen, kSliceNs);
   }
@@ -92,11 +98,15 @@ absl::Status Optimizer::WaitUntil(Done done, absl::Duration timeout, const char*
 
 absl::Status Optimizer::Wait(size_t b, absl::Duration timeout) {
   if (b >= buckets_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
   }
   auto& slot = View(control_, groups_).buckets[b];
   return WaitUntil(
-      [&] { return slot.done.load(std::memory_order_acquire) == slot.ready.load(std::memory_order_relaxed); },
+      [&] {
+        return slot.done.load(std::memory_order_acquire) ==
+               slot.ready.load(std::memory_order_relaxed);
+      },
       timeout, "a bucket update");
 }
 
@@ -114,8 +124,9 @@ absl::Status Optimizer::Commit(absl::Duration timeout) {
   v.header->commit.store(target, std::memory_order_release);
   v.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&v.header->doorbell);
-  if (absl::Status s = WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; }, timeout,
-                                 "the step's commit");
+  if (absl::Status s =
+          WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; },
+                    timeout, "the step's commit");
       !s.ok()) {
     return s;
   }

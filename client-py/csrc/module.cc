@@ -101,7 +101,8 @@ void CheckBucket(const OptimizerHandle& h, size_t b) {
 at::Tensor Alias(const HandlePtr& h, void* data, int64_t numel, at::ScalarType type) {
   HandlePtr keep = h;
   return torch::from_blob(
-      data, {numel}, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(type).device(at::kCPU));
+      data, {numel}, [keep](void*) mutable { keep.reset(); },
+      at::TensorOptions().dtype(type).device(at::kCPU));
 }
 
 absl::Duration Seconds(double s) { return s <= 0 ? absl::InfiniteDuration() : absl::Seconds(s); }
@@ -180,10 +181,11 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
 
 // groups: list of dicts {lr, beta1, beta2, eps, weight_decay}; buckets: list of
 // (group, numel, grad_dtype, param_dtype) with dtype names.
-HandlePtr RegisterOptimizer(const ClientPtr& client, const std::vector<py::dict>& groups,
-                            const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
-                            const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
-                            bool amsgrad, bool maximize) {
+HandlePtr RegisterOptimizer(
+    const ClientPtr& client, const std::vector<py::dict>& groups,
+    const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
+    const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
+    bool amsgrad, bool maximize) {
   tsd::OptimizerSpec spec;
   for (const auto& g : groups) {
     tsd::GroupHyper h;
@@ -273,8 +275,9 @@ PYBIND11_MODULE(_C, m) {
              return JobsList(j);
            })
       .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
-           py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0, py::arg("accumulate") = false,
-           py::arg("seed") = 0, py::arg("amsgrad") = false, py::arg("maximize") = false)
+           py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
+           py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
+           py::arg("maximize") = false)
       .def_property_readonly("socket_path", &tsd::Client::socket_path)
       .def_property_readonly("attached", &tsd::Client::attached)
       .def_property_readonly("job", &tsd::Client::job)
@@ -282,12 +285,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("session_id", &tsd::Client::session_id);
 
   py::class_<OptimizerHandle, HandlePtr>(m, "Optimizer")
-      .def_property_readonly("num_buckets", [](const OptimizerHandle& h) { return h.opt->num_buckets(); })
-      .def_property_readonly("num_groups", [](const OptimizerHandle& h) { return h.opt->num_groups(); })
+      .def_property_readonly("num_buckets",
+                             [](const OptimizerHandle& h) { return h.opt->num_buckets(); })
+      .def_property_readonly("num_groups",
+                             [](const OptimizerHandle& h) { return h.opt->num_groups(); })
       .def_property_readonly("isa", [](const OptimizerHandle& h) { return h.opt->isa(); })
       .def_property_readonly("threads", [](const OptimizerHandle& h) { return h.opt->threads(); })
-      .def_property_readonly("state_bytes", [](const OptimizerHandle& h) { return h.opt->state_bytes(); })
-      .def_property_readonly("last_grad_norm", [](const OptimizerHandle& h) { return h.opt->last_grad_norm(); })
+      .def_property_readonly("state_bytes",
+                             [](const OptimizerHandle& h) { return h.opt->state_bytes(); })
+      .def_property_readonly("last_grad_norm",
+                             [](const OptimizerHandle& h) { return h.opt->last_grad_norm(); })
       .def("numel",
            [](const OptimizerHandle& h, size_t b) {
              CheckBucket(h, b);
@@ -307,23 +314,30 @@ PYBIND11_MODULE(_C, m) {
       .def("grad",
            [](const HandlePtr& h, size_t b) {
              CheckBucket(*h, b);
-             return Alias(h, h->opt->grad(b), static_cast<int64_t>(h->opt->numel(b)), ScalarTypeOf(h->grad_dtypes[b]));
+             return Alias(h, h->opt->grad(b), static_cast<int64_t>(h->opt->numel(b)),
+                          ScalarTypeOf(h->grad_dtypes[b]));
            })
       .def("param",
            [](const HandlePtr& h, size_t b) {
              CheckBucket(*h, b);
-             return Alias(h, const_cast<void*>(h->opt->param(b)), static_cast<int64_t>(h->opt->numel(b)),
-                          ScalarTypeOf(h->param_dtypes[b]));
+             return Alias(h, const_cast<void*>(h->opt->param(b)),
+                          static_cast<int64_t>(h->opt->numel(b)), ScalarTypeOf(h->param_dtypes[b]));
            })
       .def(
           "set_group",
-          [](OptimizerHandle& h, size_t g, double lr, double beta1, double beta2, double eps, double wd) {
-            if (g >= h.opt->num_groups()) Throw(absl::InvalidArgumentError("group " + std::to_string(g) + " does not exist"));
+          [](OptimizerHandle& h, size_t g, double lr, double beta1, double beta2, double eps,
+             double wd) {
+            if (g >= h.opt->num_groups())
+              Throw(absl::InvalidArgumentError("group " + std::to_string(g) + " does not exist"));
             h.opt->SetGroup(g, {lr, beta1, beta2, eps, wd});
           },
-          py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"))
+          py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("weight_decay"))
       .def(
-          "ready", [](OptimizerHandle& h, size_t b, bool first, bool final) { Check(h.opt->Ready(b, first, final)); },
+          "ready",
+          [](OptimizerHandle& h, size_t b, bool first, bool final) {
+            Check(h.opt->Ready(b, first, final));
+          },
           py::arg("bucket"), py::arg("first") = true, py::arg("final") = true)
       .def(
           "ready_on_stream",
@@ -331,13 +345,15 @@ PYBIND11_MODULE(_C, m) {
             CheckBucket(*h, b);
             LaunchHostFunc launch = FindLaunchHostFunc();
             if (launch == nullptr) {
-              Throw(absl::FailedPreconditionError("cudaLaunchHostFunc is not available: the CUDA runtime is not loaded"));
+              Throw(absl::FailedPreconditionError(
+                  "cudaLaunchHostFunc is not available: the CUDA runtime is not loaded"));
             }
             auto* r = new PendingReady{h, b, first, final};
             const int err = launch(reinterpret_cast<void*>(stream), &RunPendingReady, r);
             if (err != 0) {
               delete r;
-              Throw(absl::InternalError("cudaLaunchHostFunc failed with CUDA error " + std::to_string(err)));
+              Throw(absl::InternalError("cudaLaunchHostFunc failed with CUDA error " +
+                                        std::to_string(err)));
             }
           },
           py::arg("stream"), py::arg("bucket"), py::arg("first") = true, py::arg("final") = true)

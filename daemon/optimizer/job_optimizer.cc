@@ -16,10 +16,10 @@ namespace {
 
 constexpr size_t kMaxGroups = 1024;
 constexpr size_t kMaxBuckets = 65536;
-constexpr int64_t kChunk = 1 << 18;       // elements per pool task
-constexpr int64_t kInline = 1 << 15;      // buckets this small run on the dispatcher
-constexpr int64_t kSpinNs = 30000;        // the dispatcher spins this long before sleeping
-constexpr int64_t kSleepNs = 100000000;   // and sleeps at most this long (to notice Stop)
+constexpr int64_t kChunk = 1 << 18;      // elements per pool task
+constexpr int64_t kInline = 1 << 15;     // buckets this small run on the dispatcher
+constexpr int64_t kSpinNs = 30000;       // the dispatcher spins this long before sleeping
+constexpr int64_t kSleepNs = 100000000;  // and sleeps at most this long (to notice Stop)
 
 uint64_t Align64(uint64_t x) { return (x + 63) / 64 * 64; }
 
@@ -35,45 +35,58 @@ absl::StatusOr<kernels::DType> ToKernel(v1::DType d, const char* what, bool allo
       if (allow_unspecified) return kernels::DType::kF32;
       [[fallthrough]];
     default:
-      return absl::InvalidArgumentError(absl::StrCat(what, " must be F32, BF16 or F16 (got ", static_cast<int>(d), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " must be F32, BF16 or F16 (got ", static_cast<int>(d), ")"));
   }
 }
 
 // The hyperparameter checks torch.optim.AdamW makes, plus finiteness.
 absl::Status CheckHyper(double lr, double beta1, double beta2, double eps, double wd) {
-  if (!std::isfinite(lr) || lr < 0) return absl::InvalidArgumentError(absl::StrCat("invalid learning rate ", lr));
-  if (!(beta1 >= 0 && beta1 < 1)) return absl::InvalidArgumentError(absl::StrCat("invalid beta1 ", beta1, " (must be in [0, 1))"));
-  if (!(beta2 >= 0 && beta2 < 1)) return absl::InvalidArgumentError(absl::StrCat("invalid beta2 ", beta2, " (must be in [0, 1))"));
-  if (!std::isfinite(eps) || eps < 0) return absl::InvalidArgumentError(absl::StrCat("invalid eps ", eps));
-  if (!std::isfinite(wd) || wd < 0) return absl::InvalidArgumentError(absl::StrCat("invalid weight_decay ", wd));
+  if (!std::isfinite(lr) || lr < 0)
+    return absl::InvalidArgumentError(absl::StrCat("invalid learning rate ", lr));
+  if (!(beta1 >= 0 && beta1 < 1))
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid beta1 ", beta1, " (must be in [0, 1))"));
+  if (!(beta2 >= 0 && beta2 < 1))
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid beta2 ", beta2, " (must be in [0, 1))"));
+  if (!std::isfinite(eps) || eps < 0)
+    return absl::InvalidArgumentError(absl::StrCat("invalid eps ", eps));
+  if (!std::isfinite(wd) || wd < 0)
+    return absl::InvalidArgumentError(absl::StrCat("invalid weight_decay ", wd));
   return absl::OkStatus();
 }
 
 }  // namespace
 
-
-
-absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequest& req, uint64_t max_bytes) {
+absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequest& req,
+                                                 uint64_t max_bytes) {
   OptimizerPlan p;
   if (req.groups_size() < 1 || static_cast<size_t>(req.groups_size()) > kMaxGroups) {
-    return absl::InvalidArgumentError(absl::StrCat("an optimizer needs 1 to ", kMaxGroups, " parameter groups (got ",
-                                                   req.groups_size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "an optimizer needs 1 to ", kMaxGroups, " parameter groups (got ", req.groups_size(), ")"));
   }
   if (req.buckets_size() < 1 || static_cast<size_t>(req.buckets_size()) > kMaxBuckets) {
-    return absl::InvalidArgumentError(absl::StrCat("an optimizer needs 1 to ", kMaxBuckets, " buckets (got ",
-                                                   req.buckets_size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("an optimizer needs 1 to ", kMaxBuckets,
+                                                   " buckets (got ", req.buckets_size(), ")"));
   }
   for (int g = 0; g < req.groups_size(); ++g) {
     const auto& grp = req.groups(g);
     if (grp.amsgrad()) {
-      return absl::InvalidArgumentError(absl::StrCat("group ", g, ": amsgrad=True is not supported by tsd's AdamW; "
-                                                     "use amsgrad=False (torch's default)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("group ", g,
+                       ": amsgrad=True is not supported by tsd's AdamW; "
+                       "use amsgrad=False (torch's default)"));
     }
     if (grp.maximize()) {
-      return absl::InvalidArgumentError(absl::StrCat("group ", g, ": maximize=True is not supported by tsd's AdamW; "
-                                                     "negate the loss instead"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("group ", g,
+                       ": maximize=True is not supported by tsd's AdamW; "
+                       "negate the loss instead"));
     }
-    if (absl::Status s = CheckHyper(grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay()); !s.ok()) {
+    if (absl::Status s =
+            CheckHyper(grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay());
+        !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("group ", g, ": ", s.message()));
     }
     p.groups.push_back(grp);
@@ -81,11 +94,13 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   auto moment = ToKernel(req.moment_dtype(), "moment_dtype", true);
   if (!moment.ok()) return moment.status();
   if (*moment == kernels::DType::kF16) {
-    return absl::InvalidArgumentError("moment_dtype must be F32 or BF16 (F16 moments are not supported)");
+    return absl::InvalidArgumentError(
+        "moment_dtype must be F32 or BF16 (F16 moments are not supported)");
   }
   p.moment_dtype = *moment;
   if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be >= 0 (got ", req.max_grad_norm(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_grad_norm must be >= 0 (got ", req.max_grad_norm(), ")"));
   }
   p.max_grad_norm = req.max_grad_norm();
   p.accumulate = req.accumulate();
@@ -97,18 +112,21 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   for (int b = 0; b < req.buckets_size(); ++b) {
     const auto& spec = req.buckets(b);
     if (spec.group() >= static_cast<uint32_t>(req.groups_size())) {
-      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " names group ", spec.group(), " but there are ",
-                                                     req.groups_size(), " groups"));
+      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, " names group ", spec.group(),
+                                                     " but there are ", req.groups_size(),
+                                                     " groups"));
     }
     if (spec.numel() > max_numel || total_numel + spec.numel() > max_numel) {
-      return absl::ResourceExhaustedError(absl::StrCat("bucket ", b, ": ", total_numel + spec.numel(),
-                                                       " parameters cannot fit in the pool"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "bucket ", b, ": ", total_numel + spec.numel(), " parameters cannot fit in the pool"));
     }
     total_numel += spec.numel();
     auto gd = ToKernel(spec.grad_dtype(), "grad_dtype", false);
-    if (!gd.ok()) return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", gd.status().message()));
+    if (!gd.ok())
+      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", gd.status().message()));
     auto pd = ToKernel(spec.param_dtype(), "param_dtype", false);
-    if (!pd.ok()) return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", pd.status().message()));
+    if (!pd.ok())
+      return absl::InvalidArgumentError(absl::StrCat("bucket ", b, ": ", pd.status().message()));
     BucketPlan bp;
     bp.group = spec.group();
     bp.numel = static_cast<int64_t>(spec.numel());
@@ -124,8 +142,12 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
     params += Align64(spec.numel() * kernels::DTypeSize(*pd));
     p.buckets.push_back(bp);
   }
-  auto page = [](uint64_t x) { return std::max<uint64_t>(wire::kPageBytes, (x + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes); };
-  p.control_bytes = page(wire::ControlPageBytes(static_cast<uint32_t>(req.groups_size()), static_cast<uint32_t>(req.buckets_size())));
+  auto page = [](uint64_t x) {
+    return std::max<uint64_t>(wire::kPageBytes,
+                              (x + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes);
+  };
+  p.control_bytes = page(wire::ControlPageBytes(static_cast<uint32_t>(req.groups_size()),
+                                                static_cast<uint32_t>(req.buckets_size())));
   p.master_bytes = page(master);
   p.moment_bytes = page(moments);
   p.grad_bytes = page(grads);
@@ -134,11 +156,17 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   return p;
 }
 
-JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
-                           kernels::Isa isa, Metrics* metrics)
-    : job_(std::move(job)), plan_(std::move(plan)), regions_(std::move(regions)), pool_(pool),
-      queue_(pool.NewQueue()), isa_(isa), metrics_(metrics) {
-  page_ = wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
+JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions,
+                           WorkerPool& pool, kernels::Isa isa, Metrics* metrics)
+    : job_(std::move(job)),
+      plan_(std::move(plan)),
+      regions_(std::move(regions)),
+      pool_(pool),
+      queue_(pool.NewQueue()),
+      isa_(isa),
+      metrics_(metrics) {
+  page_ =
+      wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
   page_.header->magic = wire::kControlPageMagic;
   page_.header->version = wire::kControlPageVersion;
   page_.header->num_groups = static_cast<uint32_t>(plan_.groups.size());
@@ -147,7 +175,9 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
     const auto& grp = plan_.groups[g];
     page_.groups[g] = {grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay()};
   }
-  auto base = [](const std::shared_ptr<Region>& r) { return r ? static_cast<char*>(r->data()) : nullptr; };
+  auto base = [](const std::shared_ptr<Region>& r) {
+    return r ? static_cast<char*>(r->data()) : nullptr;
+  };
   for (size_t b = 0; b < plan_.buckets.size(); ++b) {
     auto run = std::make_unique<BucketRun>();
     run->plan = plan_.buckets[b];
@@ -156,7 +186,8 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
     run->exp_avg_sq = base(regions_.exp_avg_sq) + run->plan.moment_offset;
     run->grad = base(regions_.grads) + run->plan.grad_offset;
     run->param = base(regions_.params) + run->plan.param_offset;
-    if (regions_.accum) run->accum = reinterpret_cast<float*>(base(regions_.accum) + run->plan.master_offset);
+    if (regions_.accum)
+      run->accum = reinterpret_cast<float*>(base(regions_.accum) + run->plan.master_offset);
     run->sr_seed = plan_.seed ^ (0x9E3779B97F4A7C15ull * (b + 1));
     runs_.push_back(std::move(run));
   }
@@ -164,7 +195,9 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
 
 JobOptimizer::~JobOptimizer() { Stop(); }
 
-void JobOptimizer::Start() { dispatcher_ = std::thread([this] { DispatchLoop(); }); }
+void JobOptimizer::Start() {
+  dispatcher_ = std::thread([this] { DispatchLoop(); });
+}
 
 void JobOptimizer::Stop() {
   stop_.store(true);
@@ -231,12 +264,13 @@ bool JobOptimizer::Scan() {
     const uint64_t ready = page_.buckets[b].ready.load(std::memory_order_acquire);
     if (ready == run.done_local) continue;
     if (ready != run.done_local + 1) {
-      Fail(absl::StrCat("control page: bucket ", b, " ready counter is ", ready, " but ", run.done_local,
-                        " deliveries were completed (it may only advance by one)"));
+      Fail(absl::StrCat("control page: bucket ", b, " ready counter is ", ready, " but ",
+                        run.done_local, " deliveries were completed (it may only advance by one)"));
       return false;
     }
     if (run.held) {
-      Fail(absl::StrCat("control page: bucket ", b, " got a new delivery before the commit of its last one"));
+      Fail(absl::StrCat("control page: bucket ", b,
+                        " got a new delivery before the commit of its last one"));
       return false;
     }
     if (!TakeDelivery(b, ready)) return false;
@@ -255,7 +289,8 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
   const bool first = flags & wire::kDeliveryFirst, final = flags & wire::kDeliveryFinal;
   const bool direct = first && final;  // one delivery per step: no accumulator needed
   if (!direct && run.accum == nullptr) {
-    Fail(absl::StrCat("control page: bucket ", b, " asks for gradient accumulation (flags 0x", absl::Hex(flags),
+    Fail(absl::StrCat("control page: bucket ", b, " asks for gradient accumulation (flags 0x",
+                      absl::Hex(flags),
                       ") but the optimizer was registered without accumulate=true"));
     return false;
   }
@@ -273,8 +308,10 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
     run.held_from_accum = false;
     run.partial.assign(static_cast<size_t>((run.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
     RunChunked(
-        b, [this, run = &run, gd](int64_t begin, int64_t n, size_t chunk) {
-          run->partial[chunk] = kernels::SumSquares(static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd, n, isa_);
+        b,
+        [this, run = &run, gd](int64_t begin, int64_t n, size_t chunk) {
+          run->partial[chunk] = kernels::SumSquares(
+              static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd, n, isa_);
         },
         [this, run = &run] {
           run->sumsq = 0;
@@ -287,9 +324,11 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
   }
   // Accumulate, then (final) step from the accumulator or hold it for the commit.
   RunChunked(
-      b, [this, run = &run, gd, first](int64_t begin, int64_t n, size_t) {
-        kernels::AccumulateGrad(static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd,
-                                run->accum + begin, n, first, isa_);
+      b,
+      [this, run = &run, gd, first](int64_t begin, int64_t n, size_t) {
+        kernels::AccumulateGrad(
+            static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd,
+            run->accum + begin, n, first, isa_);
       },
       [this, b, final, clip] {
         BucketRun& r = *runs_[b];
@@ -301,8 +340,10 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
           r.held_from_accum = true;
           r.partial.assign(static_cast<size_t>((r.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
           RunChunked(
-              b, [this, rp = &r](int64_t begin, int64_t n, size_t chunk) {
-                rp->partial[chunk] = kernels::SumSquares(rp->accum + begin, kernels::DType::kF32, n, isa_);
+              b,
+              [this, rp = &r](int64_t begin, int64_t n, size_t chunk) {
+                rp->partial[chunk] =
+                    kernels::SumSquares(rp->accum + begin, kernels::DType::kF32, n, isa_);
               },
               [this, rp = &r] {
                 rp->sumsq = 0;
@@ -362,8 +403,8 @@ void JobOptimizer::MaybeApplyCommit() {
   committed_local_ = target;
 }
 
-void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
-                              std::function<void()> after) {
+void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
+                              float grad_scale, std::function<void()> after) {
   BucketRun& run = *runs_[b];
   const wire::ControlGroup g = page_.groups[run.plan.group];  // a copy: the page is not ours
   if (absl::Status s = CheckHyper(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay); !s.ok()) {
@@ -379,12 +420,14 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
   h.step = ++run.steps;
   h.grad_scale = grad_scale;
   run.started = std::chrono::steady_clock::now();
-  const size_t gsize = kernels::DTypeSize(grad_dtype), msize = kernels::DTypeSize(plan_.moment_dtype),
+  const size_t gsize = kernels::DTypeSize(grad_dtype),
+               msize = kernels::DTypeSize(plan_.moment_dtype),
                psize = kernels::DTypeSize(run.plan.param_dtype);
   const kernels::DType md = plan_.moment_dtype;
   RunChunked(
       b,
-      [this, run = &run, grad, grad_dtype, h, gsize, msize, psize, md](int64_t begin, int64_t n, size_t) {
+      [this, run = &run, grad, grad_dtype, h, gsize, msize, psize, md](int64_t begin, int64_t n,
+                                                                       size_t) {
         kernels::AdamWTensors t;
         t.grad = static_cast<const char*>(grad) + begin * gsize;
         t.grad_dtype = grad_dtype;
@@ -403,7 +446,8 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
         const BucketRun& r = *runs_[b];
         page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
         if (metrics_ != nullptr) {
-          const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+          const double seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
           metrics_->RecordBucketUpdate(job_, seconds, static_cast<uint64_t>(r.plan.numel));
           // A job's step count is the highest step any of its buckets reached.
           int64_t seen = max_step_.load(std::memory_order_relaxed);
@@ -415,7 +459,8 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
       });
 }
 
-void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn, std::function<void()> done) {
+void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
+                              std::function<void()> done) {
   BucketRun& run = *runs_[b];
   const int64_t n = run.plan.numel;
   if (n <= kInline) {
@@ -450,7 +495,8 @@ void JobOptimizer::CompleteDelivery(size_t b) {
 bool JobOptimizer::Idle() const {
   for (size_t b = 0; b < runs_.size(); ++b) {
     if (runs_[b]->busy.load(std::memory_order_acquire) || runs_[b]->held) return false;
-    if (page_.buckets[b].ready.load(std::memory_order_acquire) != runs_[b]->done_local) return false;
+    if (page_.buckets[b].ready.load(std::memory_order_acquire) != runs_[b]->done_local)
+      return false;
   }
   return true;
 }

@@ -105,19 +105,18 @@ class JobOptimizer final {
     void* grad = nullptr;
     void* param = nullptr;
     float* accum = nullptr;
-    uint64_t done_local = 0;       // dispatcher: last delivery completed or taken
+    uint64_t done_local = 0;  // dispatcher: last delivery completed or taken
     std::atomic<bool> busy{false};
-    uint64_t pending = 0;          // the delivery in flight
-    bool held = false;             // a final delivery waits for the commit
+    uint64_t pending = 0;  // the delivery in flight
+    bool held = false;     // a final delivery waits for the commit
     bool held_from_accum = false;
-    std::vector<double> partial;   // per-chunk sums of squares
+    std::vector<double> partial;  // per-chunk sums of squares
     double sumsq = 0;
     std::atomic<int64_t> remaining{0};
     int64_t steps = 0;
     uint64_t sr_seed = 0;
     std::chrono::steady_clock::time_point started;  // when the update in flight was dispatched
   };
-
 
   void DispatchLoop();
   // One pass over the page; returns false after a failure.
@@ -126,7 +125,8 @@ class JobOptimizer final {
   void MaybeApplyCommit();
   // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
   // runs once after the last chunk.
-  void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn, std::function<void()> done);
+  void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
+                  std::function<void()> done);
   void StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
                   std::function<void()> after);
   void CompleteDelivery(size_t b);

@@ -41,9 +41,11 @@ struct Entry {
 
 absl::Status CheckFile(int fd) {
   struct stat st {};
-  if (fd < 0 || fstat(fd, &st) != 0) return absl::InvalidArgumentError("no valid descriptor came with the request");
+  if (fd < 0 || fstat(fd, &st) != 0)
+    return absl::InvalidArgumentError("no valid descriptor came with the request");
   if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError("the state descriptor must be a regular file or a memfd (not a pipe or socket)");
+    return absl::InvalidArgumentError(
+        "the state descriptor must be a regular file or a memfd (not a pipe or socket)");
   }
   return absl::OkStatus();
 }
@@ -53,7 +55,8 @@ absl::Status WriteAll(int fd, const char* p, uint64_t n, uint64_t offset) {
     const ssize_t w = pwrite(fd, p, std::min<uint64_t>(n, 1ull << 30), static_cast<off_t>(offset));
     if (w < 0) {
       if (errno == EINTR) continue;
-      return absl::ResourceExhaustedError(absl::StrCat("writing the state file failed: ", std::strerror(errno)));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("writing the state file failed: ", std::strerror(errno)));
     }
     p += w;
     n -= static_cast<uint64_t>(w);
@@ -80,7 +83,8 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
   if (absl::Status s = CheckFile(fd); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(state_mu_);
   if (!Idle()) {
-    return absl::FailedPreconditionError("the optimizer has deliveries in flight; save between steps (wait for every bucket first)");
+    return absl::FailedPreconditionError(
+        "the optimizer has deliveries in flight; save between steps (wait for every bucket first)");
   }
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   std::vector<Entry> entries;
@@ -89,18 +93,24 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
     BucketRun& r = *runs_[b];
     const int64_t n = r.plan.numel;
     steps[b] = r.steps;
-    entries.push_back({absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4});
-    entries.push_back({absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg), n * msize});
-    entries.push_back({absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg_sq), n * msize});
-    entries.push_back({absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8});
+    entries.push_back({absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master),
+                       static_cast<uint64_t>(n) * 4});
+    entries.push_back({absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n,
+                       static_cast<char*>(r.exp_avg), n * msize});
+    entries.push_back({absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n,
+                       static_cast<char*>(r.exp_avg_sq), n * msize});
+    entries.push_back(
+        {absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8});
   }
   nlohmann::json header;
-  header["__metadata__"] = {{"format", kFormat}, {"buckets", std::to_string(runs_.size())},
+  header["__metadata__"] = {{"format", kFormat},
+                            {"buckets", std::to_string(runs_.size())},
                             {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
                             {"committed", std::to_string(committed_local_)}};
   uint64_t offset = 0;
   for (const auto& e : entries) {
-    header[e.name] = {{"dtype", e.dtype}, {"shape", {e.numel}}, {"data_offsets", {offset, offset + e.bytes}}};
+    header[e.name] = {
+        {"dtype", e.dtype}, {"shape", {e.numel}}, {"data_offsets", {offset, offset + e.bytes}}};
     offset += e.bytes;
   }
   std::string h = header.dump();
@@ -108,7 +118,9 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
   const uint64_t hlen = h.size();
   char len_bytes[8];
   for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((hlen >> (8 * i)) & 0xff);
-  if (ftruncate(fd, 0) != 0) return absl::InvalidArgumentError(absl::StrCat("cannot truncate the state file: ", std::strerror(errno)));
+  if (ftruncate(fd, 0) != 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot truncate the state file: ", std::strerror(errno)));
   if (absl::Status s = WriteAll(fd, len_bytes, 8, 0); !s.ok()) return s;
   if (absl::Status s = WriteAll(fd, h.data(), hlen, 8); !s.ok()) return s;
   uint64_t pos = 8 + hlen;
@@ -122,7 +134,9 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
 absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   if (absl::Status s = CheckFile(fd); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(state_mu_);
-  if (!Idle()) return absl::FailedPreconditionError("the optimizer has deliveries in flight; load between steps");
+  if (!Idle())
+    return absl::FailedPreconditionError(
+        "the optimizer has deliveries in flight; load between steps");
   struct stat st {};
   fstat(fd, &st);
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
@@ -133,15 +147,18 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   uint64_t hlen = 0;
   for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
   if (hlen > kMaxHeaderBytes || 8 + hlen > file_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("the state file's header length ", hlen, " is not plausible"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the state file's header length ", hlen, " is not plausible"));
   }
   std::string h(hlen, '\0');
   if (absl::Status s = ReadAll(fd, h.data(), hlen, 8); !s.ok()) return s;
   const nlohmann::json header = nlohmann::json::parse(h, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) return absl::InvalidArgumentError("the state file's header is not JSON");
+  if (header.is_discarded() || !header.is_object())
+    return absl::InvalidArgumentError("the state file's header is not JSON");
   const auto meta = header.find("__metadata__");
   if (meta == header.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
-    return absl::InvalidArgumentError(absl::StrCat("the file is not a tsd optimizer state (", kFormat, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the file is not a tsd optimizer state (", kFormat, ")"));
   }
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   const uint64_t data_start = 8 + hlen, data_bytes = file_bytes - data_start;
@@ -157,34 +174,43 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
     BucketRun& r = *runs_[b];
     const int64_t n = r.plan.numel;
     const Entry want[] = {
-        {absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4},
-        {absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg), n * msize},
-        {absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg_sq), n * msize},
+        {absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master),
+         static_cast<uint64_t>(n) * 4},
+        {absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n,
+         static_cast<char*>(r.exp_avg), n * msize},
+        {absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n,
+         static_cast<char*>(r.exp_avg_sq), n * msize},
         {absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8}};
     for (const Entry& e : want) {
       ++expected_entries;
       const auto it = header.find(e.name);
       if (it == header.end() || !it->is_object()) {
-        return absl::InvalidArgumentError(absl::StrCat("the state file has no tensor '", e.name,
-                                                       "': it was saved for another optimizer layout"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("the state file has no tensor '", e.name,
+                         "': it was saved for another optimizer layout"));
       }
       const auto& t = *it;
-      if (t.value("dtype", "") != e.dtype || !t.contains("shape") || t["shape"] != nlohmann::json::array({e.numel}) ||
-          !t.contains("data_offsets") || !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
-          !t["data_offsets"][0].is_number_unsigned() || !t["data_offsets"][1].is_number_unsigned()) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", e.name, "' in the state file is ", t.dump(),
-                                                       "; expected dtype ", e.dtype, " and shape [", e.numel, "]"));
+      if (t.value("dtype", "") != e.dtype || !t.contains("shape") ||
+          t["shape"] != nlohmann::json::array({e.numel}) || !t.contains("data_offsets") ||
+          !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
+          !t["data_offsets"][0].is_number_unsigned() ||
+          !t["data_offsets"][1].is_number_unsigned()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", e.name, "' in the state file is ", t.dump(),
+                         "; expected dtype ", e.dtype, " and shape [", e.numel, "]"));
       }
       const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
       if (end < begin || end - begin != e.bytes || end > data_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", e.name, "' has data offsets [", begin, ", ", end,
-                                                       ") that do not fit ", e.bytes, " bytes in the file"));
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", e.name, "' has data offsets [",
+                                                       begin, ", ", end, ") that do not fit ",
+                                                       e.bytes, " bytes in the file"));
       }
       sources.push_back({data_start + begin, e.bytes, e.data});
     }
   }
   if (header.size() != expected_entries) {
-    return absl::InvalidArgumentError(absl::StrCat("the state file holds ", header.size() - 1, " tensors; this optimizer has ",
+    return absl::InvalidArgumentError(absl::StrCat("the state file holds ", header.size() - 1,
+                                                   " tensors; this optimizer has ",
                                                    expected_entries - 1));
   }
   // Read everything into a staging copy first, so a short read changes nothing.

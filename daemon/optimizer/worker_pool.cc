@@ -36,7 +36,8 @@ WorkerPool::~WorkerPool() {
 
 std::shared_ptr<WorkerPool::Queue> WorkerPool::NewQueue() { return std::make_shared<Queue>(); }
 
-void WorkerPool::Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks) {
+void WorkerPool::Submit(const std::shared_ptr<Queue>& queue,
+                        std::vector<std::function<void()>> tasks) {
   if (tasks.empty()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);

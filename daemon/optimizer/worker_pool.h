@@ -47,8 +47,8 @@ class WorkerPool final {
   void Work();
 
   std::mutex mu_;
-  std::condition_variable work_cv_;  // tasks arrived, or stopping
-  std::condition_variable idle_cv_;  // a task finished (for Cancel)
+  std::condition_variable work_cv_;          // tasks arrived, or stopping
+  std::condition_variable idle_cv_;          // a task finished (for Cancel)
   std::list<std::shared_ptr<Queue>> ready_;  // queues with tasks, in round-robin order
   bool stopping_ = false;
   std::vector<std::thread> workers_;

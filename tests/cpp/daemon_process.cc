@@ -58,8 +58,8 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(DaemonOptions options) {
   d->socket_ = d->dir_ + "/tsd.sock";
   // No metrics endpoint unless a test asks for one (a later --metrics-listen wins): daemons that
   // run at once must not compete for the default port.
-  std::vector<std::string> args = {TSD_BINARY, "--socket", d->socket_, "--log-level", "debug",
-                                   "--metrics-listen", ""};
+  std::vector<std::string> args = {TSD_BINARY, "--socket",         d->socket_, "--log-level",
+                                   "debug",    "--metrics-listen", ""};
   args.insert(args.end(), options.args.begin(), options.args.end());
   const std::string log = d->dir_ + "/tsd.log";
   const pid_t pid = fork();
@@ -121,7 +121,8 @@ int DaemonProcess::Stop(int sig, double* seconds) {
   kill(pid_, sig);
   int status = 0;
   waitpid(pid_, &status, 0);
-  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (seconds)
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   pid_ = -1;
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + WTERMSIG(status);
@@ -167,7 +168,8 @@ int RawSession::ConnectSide() {
   addr.sun_family = AF_UNIX;
   const std::string side = wire::SideSocketPath(socket_);
   std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
-  EXPECT_EQ(connect(side_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  EXPECT_EQ(connect(side_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
   return side_fd_;
 }
 

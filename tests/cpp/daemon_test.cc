@@ -38,7 +38,8 @@ TEST(Daemon, TwoSessionsOfOneJobShareARegion) {
   const auto* wb = static_cast<const uint32_t*>((*rb)->data());
   for (size_t i = 0; i < (*ra)->size() / 4; ++i) wa[i] = static_cast<uint32_t>(i * 2654435761u);
   size_t mismatches = 0;
-  for (size_t i = 0; i < (*rb)->size() / 4; ++i) mismatches += wb[i] != static_cast<uint32_t>(i * 2654435761u);
+  for (size_t i = 0; i < (*rb)->size() / 4; ++i)
+    mismatches += wb[i] != static_cast<uint32_t>(i * 2654435761u);
   EXPECT_EQ(mismatches, 0u);
   // And the other way round.
   static_cast<uint32_t*>((*rb)->data())[7] = 0xDEADBEEF;
@@ -105,7 +106,8 @@ TEST(Daemon, ClientCannotResizeOrUnsealARegion) {
   ASSERT_TRUE(r.ok());
   const int fd = (*r)->fd();
   const int seals = fcntl(fd, F_GET_SEALS);
-  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   errno = 0;
   EXPECT_NE(ftruncate(fd, 4096), 0);
   EXPECT_EQ(errno, EPERM);
@@ -158,17 +160,20 @@ TEST(Daemon, TsctlReportsStatusAndJobsAsJson) {
   ASSERT_TRUE(c->Attach("tsctl-job", 32 << 20).ok());
   ASSERT_TRUE(c->Alloc("x", 5 << 20).ok());
   int rc = -1;
-  auto status = nlohmann::json::parse(RunCommand(std::string(TSCTL_BINARY) + " --socket " + d->socket() + " status --json", &rc));
+  auto status = nlohmann::json::parse(
+      RunCommand(std::string(TSCTL_BINARY) + " --socket " + d->socket() + " status --json", &rc));
   EXPECT_EQ(rc, 0);
   std::set<std::string> keys;
   for (auto& [k, v] : status.items()) keys.insert(k);
-  EXPECT_EQ(keys, (std::set<std::string>{"version", "uptime", "pool_bytes", "used_bytes", "locked", "jobs", "sessions"}));
+  EXPECT_EQ(keys, (std::set<std::string>{"version", "uptime", "pool_bytes", "used_bytes", "locked",
+                                         "jobs", "sessions"}));
   EXPECT_EQ(status["pool_bytes"], 256ull << 20);
   EXPECT_EQ(status["used_bytes"], 5ull << 20);
   EXPECT_EQ(status["jobs"], 1);
   EXPECT_EQ(status["sessions"], 1);
   EXPECT_EQ(status["locked"], true);
-  auto jobs = nlohmann::json::parse(RunCommand(std::string(TSCTL_BINARY) + " --socket " + d->socket() + " jobs --json", &rc));
+  auto jobs = nlohmann::json::parse(
+      RunCommand(std::string(TSCTL_BINARY) + " --socket " + d->socket() + " jobs --json", &rc));
   EXPECT_EQ(rc, 0);
   ASSERT_EQ(jobs.size(), 1u);
   keys.clear();
@@ -179,7 +184,8 @@ TEST(Daemon, TsctlReportsStatusAndJobsAsJson) {
   EXPECT_EQ(jobs[0]["used_bytes"], 5ull << 20);
   EXPECT_EQ(jobs[0]["quota_bytes"], 32ull << 20);
   // Without a daemon, tsctl says where it looked and how to start one.
-  const std::string out = RunCommand(std::string(TSCTL_BINARY) + " --socket /tmp/no-such-dir/tsd.sock status 2>&1", &rc);
+  const std::string out = RunCommand(
+      std::string(TSCTL_BINARY) + " --socket /tmp/no-such-dir/tsd.sock status 2>&1", &rc);
   EXPECT_EQ(rc, 1);
   EXPECT_THAT(out, HasSubstr("/tmp/no-such-dir/tsd.sock"));
   EXPECT_THAT(out, HasSubstr("tsd --socket"));
@@ -199,8 +205,8 @@ TEST(Daemon, ASecondDaemonOnALiveSocketRefusesAndAStaleSocketIsReplaced) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d);
   int rc = -1;
-  const std::string out =
-      RunCommand(std::string(TSD_BINARY) + " --socket " + d->socket() + " --pool-size 64MiB 2>&1", &rc);
+  const std::string out = RunCommand(
+      std::string(TSD_BINARY) + " --socket " + d->socket() + " --pool-size 64MiB 2>&1", &rc);
   EXPECT_NE(rc, 0);
   EXPECT_THAT(out, HasSubstr("another tsd (pid " + std::to_string(d->pid()) + ")"));
   EXPECT_TRUE(d->Connect()->Status().ok());  // the first one is untouched
@@ -208,7 +214,8 @@ TEST(Daemon, ASecondDaemonOnALiveSocketRefusesAndAStaleSocketIsReplaced) {
   const std::string socket = d->socket();
   EXPECT_EQ(d->Stop(SIGKILL), 128 + SIGKILL);
   ASSERT_EQ(access(socket.c_str(), F_OK), 0) << "SIGKILL leaves the socket file";
-  FILE* p = popen((std::string(TSD_BINARY) + " --socket " + socket + " --pool-size 64MiB 2>&1").c_str(), "r");
+  FILE* p = popen(
+      (std::string(TSD_BINARY) + " --socket " + socket + " --pool-size 64MiB 2>&1").c_str(), "r");
   ASSERT_TRUE(WaitFor([&] { return tsd::Client::Connect(socket).ok(); }, 10));
   auto c = tsd::Client::Connect(socket);
   ASSERT_TRUE(c.ok());

@@ -47,8 +47,8 @@ TEST(Isolation, AnotherUidCannotAttachNorObtainDescriptors) {
   RawSession raw(d->socket());
   v1::AttachResponse pending;
   ASSERT_TRUE(raw.Attach("secret-job", 0, &pending).ok());
-  const std::string cmd = std::string(TSD_TEST_CLIENT) + " intruder " + d->socket() + " secret-job " +
-                          std::to_string(pending.session().session_id()) + " " +
+  const std::string cmd = std::string(TSD_TEST_CLIENT) + " intruder " + d->socket() +
+                          " secret-job " + std::to_string(pending.session().session_id()) + " " +
                           absl::BytesToHexString(pending.session().token()) + " 65534 65534";
   int rc = -1;
   const std::string out = RunCommand(cmd, &rc);
@@ -59,7 +59,8 @@ TEST(Isolation, AnotherUidCannotAttachNorObtainDescriptors) {
   EXPECT_THAT(kv["attach_message"], HasSubstr("belongs to uid 0"));
   EXPECT_EQ(kv["stolen_hello"], std::to_string(kPermissionDenied)) << out;
   EXPECT_EQ(kv["getfd_without_hello_1"], std::to_string(kFailedPrecondition)) << out;
-  EXPECT_EQ(kv["getfd_without_hello_2"], "-1") << "the connection must be closed after that: " << out;
+  EXPECT_EQ(kv["getfd_without_hello_2"], "-1")
+      << "the connection must be closed after that: " << out;
   EXPECT_EQ(kv["madeup_hello"], std::to_string(kPermissionDenied)) << out;
   EXPECT_EQ(kv["fds_received"], "0") << out;
   // The job is intact and still only root's.

@@ -39,7 +39,8 @@ pid_t StartAllocLoop(const std::string& socket, const std::string& job) {
 
 bool PoolIsEmpty(tsd::Client& c) {
   auto st = c.Status();
-  return st.ok() && st->used_bytes == 0 && st->jobs == 1 && st->sessions == 1;  // the observer's own
+  return st.ok() && st->used_bytes == 0 && st->jobs == 1 &&
+         st->sessions == 1;  // the observer's own
 }
 
 TEST(Lifecycle, FiftyClientsKilledMidAllocationLeaveNothingBehind) {
@@ -54,12 +55,13 @@ TEST(Lifecycle, FiftyClientsKilledMidAllocationLeaveNothingBehind) {
   for (int cycle = 0; cycle < 50; ++cycle) {
     const pid_t pid = StartAllocLoop(d->socket(), "victim-" + std::to_string(cycle % 3));
     ASSERT_GT(pid, 0);
-    std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 30000)(rng)));
+    std::this_thread::sleep_for(
+        std::chrono::microseconds(std::uniform_int_distribution<int>(0, 30000)(rng)));
     killed_with_memory += observer->Status()->used_bytes > 0;
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    ASSERT_TRUE(WaitFor([&] { return PoolIsEmpty(*observer); }, 2)) << "cycle " << cycle << ": used_bytes="
-                                                                     << observer->Status()->used_bytes;
+    ASSERT_TRUE(WaitFor([&] { return PoolIsEmpty(*observer); }, 2))
+        << "cycle " << cycle << ": used_bytes=" << observer->Status()->used_bytes;
   }
   EXPECT_GT(killed_with_memory, 10) << "most clients should die holding memory";
   // Back to the baseline, or below it (gRPC may close an idle descriptor of its own meanwhile).

@@ -57,7 +57,8 @@ TEST_F(Malformed, SizesNamesAndIds) {
   const Case cases[] = {
       {"zero", 0, absl::StatusCode::kInvalidArgument, "0 bytes"},
       {"huge", ~0ull, absl::StatusCode::kResourceExhausted, "more than the whole pool"},
-      {"almost-huge", ~0ull - 4095, absl::StatusCode::kResourceExhausted, "more than the whole pool"},
+      {"almost-huge", ~0ull - 4095, absl::StatusCode::kResourceExhausted,
+       "more than the whole pool"},
       {"", 4096, absl::StatusCode::kInvalidArgument, "name is empty"},
       {std::string(129, 'n'), 4096, absl::StatusCode::kInvalidArgument, "129 bytes long"},
       {"../escape", 4096, absl::StatusCode::kInvalidArgument, "may not start with"},
@@ -91,7 +92,8 @@ TEST_F(Malformed, SizesNamesAndIds) {
   free_req.set_region_id(123456789);
   {
     grpc::ClientContext ctx;
-    EXPECT_EQ(raw.stub().Free(&ctx, free_req, &free_resp).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(raw.stub().Free(&ctx, free_req, &free_resp).error_code(),
+              grpc::StatusCode::NOT_FOUND);
   }
   free_req.mutable_session()->set_session_id(987654321);
   {
@@ -134,10 +136,12 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
   // An empty datagram, and one larger than the limit.
   raw.ConnectSide();
   r = raw.SendRaw(std::string(), &closed);
-  EXPECT_TRUE(closed);  // on SOCK_SEQPACKET an empty datagram reads as end-of-stream: the daemon hangs up
+  EXPECT_TRUE(
+      closed);  // on SOCK_SEQPACKET an empty datagram reads as end-of-stream: the daemon hangs up
   raw.ConnectSide();
   const std::string oversized(wire::kMaxSideMessageBytes + 100, 'A');
-  ASSERT_EQ(send(raw.side_fd(), oversized.data(), oversized.size(), 0), static_cast<ssize_t>(oversized.size()));
+  ASSERT_EQ(send(raw.side_fd(), oversized.data(), oversized.size(), 0),
+            static_cast<ssize_t>(oversized.size()));
   auto big_reply = wire::ReceiveDatagram(raw.side_fd(), false);
   ASSERT_TRUE(big_reply.ok());
   ASSERT_TRUE(r.ParseFromString(big_reply->bytes));

@@ -2,8 +2,8 @@
 // arithmetic over 20 steps (two groups, weight decay, a changing lr, accumulation, clipping), bf16
 // slots, two jobs at once, state saved and loaded bit-exactly, unsupported options refused, a
 // client killed mid-update, and garbage on the control page.
-#include <signal.h>
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -44,11 +44,13 @@ void RefStep(RefParam& t, const std::vector<float>& g, const GroupHyper& h, floa
   const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
   for (size_t i = 0; i < t.p.size(); ++i) {
     const float gi = grad_scale == 1.0f ? g[i] : g[i] * grad_scale;
-    t.p[i] *= decay;                                                         // param.mul_(1 - lr*wd)
-    t.m[i] = std::fma(static_cast<float>(1 - h.beta1), gi - t.m[i], t.m[i]);  // exp_avg.lerp_(g, 1-beta1)
-    t.v[i] = std::fma(static_cast<float>(1 - h.beta2) * gi, gi, t.v[i] * static_cast<float>(h.beta2));
+    t.p[i] *= decay;  // param.mul_(1 - lr*wd)
+    t.m[i] = std::fma(static_cast<float>(1 - h.beta1), gi - t.m[i],
+                      t.m[i]);  // exp_avg.lerp_(g, 1-beta1)
+    t.v[i] =
+        std::fma(static_cast<float>(1 - h.beta2) * gi, gi, t.v[i] * static_cast<float>(h.beta2));
     const float denom = std::sqrt(t.v[i]) / bc2_sqrt + static_cast<float>(h.eps);
-    t.p[i] = t.p[i] + (-step_size * t.m[i]) / denom;                          // addcdiv_(m, denom, -step_size)
+    t.p[i] = t.p[i] + (-step_size * t.m[i]) / denom;  // addcdiv_(m, denom, -step_size)
   }
 }
 
@@ -73,7 +75,8 @@ struct Setup {
   std::unique_ptr<Optimizer> opt;
 };
 
-Setup Attach(DaemonProcess& d, const std::string& job, const OptimizerSpec& spec, uint64_t quota = 0) {
+Setup Attach(DaemonProcess& d, const std::string& job, const OptimizerSpec& spec,
+             uint64_t quota = 0) {
   Setup s;
   s.client = d.Connect();
   EXPECT_TRUE(s.client->Attach(job, quota).ok());
@@ -94,7 +97,8 @@ TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
   OptimizerSpec spec;
   spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1},
                  {.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.0}};
-  for (size_t b = 0; b < sizes.size(); ++b) spec.buckets.push_back({group_of[b], sizes[b], DType::kF32, DType::kF32});
+  for (size_t b = 0; b < sizes.size(); ++b)
+    spec.buckets.push_back({group_of[b], sizes[b], DType::kF32, DType::kF32});
   spec.max_grad_norm = 1.0;
   spec.accumulate = true;
   auto s = Attach(*d, "adamw-ref", spec);
@@ -163,7 +167,12 @@ TEST(Optimizer, Bf16SlotsAndNoClipOverlapPath) {
     ref[b].v.assign(ref[b].p.size(), 0);
     std::memcpy(s.opt->master(b), ref[b].p.data(), ref[b].p.size() * 4);
   }
-  auto to_bf16 = [](float f) { uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return static_cast<uint16_t>(u >> 16); };
+  auto to_bf16 = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    return static_cast<uint16_t>(u >> 16);
+  };
   for (int step = 0; step < 5; ++step) {
     for (size_t b = 0; b < 2; ++b) {
       const size_t n = ref[b].p.size();
@@ -189,7 +198,8 @@ TEST(Optimizer, Bf16SlotsAndNoClipOverlapPath) {
   EXPECT_LE(MaxRelDiff(s.opt->master(0), ref[0].p), 1e-6);
   EXPECT_LE(MaxRelDiff(s.opt->master(1), ref[1].p), 1e-6);
   const auto* out = static_cast<const uint16_t*>(s.opt->param(0));
-  for (size_t i = 0; i < ref[0].p.size(); i += 997) EXPECT_EQ(out[i], to_bf16(s.opt->master(0)[i])) << i;
+  for (size_t i = 0; i < ref[0].p.size(); i += 997)
+    EXPECT_EQ(out[i], to_bf16(s.opt->master(0)[i])) << i;
 }
 
 // Runs `steps` steps of a fixed workload and returns the master weights.
@@ -296,7 +306,8 @@ TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
   EXPECT_EQ(b.opt->LoadState(fb).status().code(), absl::StatusCode::kInvalidArgument);
   int pipefd[2];
   ASSERT_EQ(pipe(pipefd), 0);
-  EXPECT_THAT(std::string(b.opt->SaveState(pipefd[1]).status().message()), HasSubstr("regular file"));
+  EXPECT_THAT(std::string(b.opt->SaveState(pipefd[1]).status().message()),
+              HasSubstr("regular file"));
   EXPECT_EQ(std::vector<float>(b.opt->master(1), b.opt->master(1) + 1000), before);
   close(pipefd[0]);
   close(pipefd[1]);
@@ -326,7 +337,8 @@ TEST(Optimizer, UnsupportedOptionsAndBadLayoutsAreRefused) {
   EXPECT_EQ(c->RegisterOptimizer(f16).status().code(), absl::StatusCode::kInvalidArgument);
   OptimizerSpec bad_group = spec;
   bad_group.buckets[0].group = 5;
-  EXPECT_THAT(std::string(c->RegisterOptimizer(bad_group).status().message()), HasSubstr("names group 5"));
+  EXPECT_THAT(std::string(c->RegisterOptimizer(bad_group).status().message()),
+              HasSubstr("names group 5"));
   OptimizerSpec bad_beta = spec;
   bad_beta.groups[0].beta2 = 1.0;
   EXPECT_THAT(std::string(c->RegisterOptimizer(bad_beta).status().message()), HasSubstr("beta2"));
@@ -360,11 +372,29 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
     const char* says;
   };
   const Case cases[] = {
-      {"skipped counter", [](wire::ControlView v) { v.buckets[0].ready.store(5); }, "may only advance by one"},
-      {"wrapped counter", [](wire::ControlView v) { v.buckets[1].ready.store(~0ull); }, "may only advance by one"},
-      {"unknown flags", [](wire::ControlView v) { v.buckets[0].flags.store(0xF0); v.buckets[0].ready.store(1); }, "unknown flag bits"},
-      {"NaN learning rate", [](wire::ControlView v) { v.groups[0].lr = std::nan(""); v.buckets[0].flags.store(3); v.buckets[0].ready.store(1); }, "invalid learning rate"},
-      {"accumulation not registered", [](wire::ControlView v) { v.buckets[0].flags.store(1); v.buckets[0].ready.store(1); }, "without accumulate"},
+      {"skipped counter", [](wire::ControlView v) { v.buckets[0].ready.store(5); },
+       "may only advance by one"},
+      {"wrapped counter", [](wire::ControlView v) { v.buckets[1].ready.store(~0ull); },
+       "may only advance by one"},
+      {"unknown flags",
+       [](wire::ControlView v) {
+         v.buckets[0].flags.store(0xF0);
+         v.buckets[0].ready.store(1);
+       },
+       "unknown flag bits"},
+      {"NaN learning rate",
+       [](wire::ControlView v) {
+         v.groups[0].lr = std::nan("");
+         v.buckets[0].flags.store(3);
+         v.buckets[0].ready.store(1);
+       },
+       "invalid learning rate"},
+      {"accumulation not registered",
+       [](wire::ControlView v) {
+         v.buckets[0].flags.store(1);
+         v.buckets[0].ready.store(1);
+       },
+       "without accumulate"},
       {"bad commit", [](wire::ControlView v) { v.header->commit.store(7); }, "commit counter"},
   };
   for (const auto& tc : cases) {
@@ -375,12 +405,15 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
     auto view = wire::ControlView::Of((*page)->data(), 1);
     tc.poke(view);
     view.header->doorbell.fetch_add(1);
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&view.header->doorbell), FUTEX_WAKE, 1, nullptr, nullptr, 0);
-    ASSERT_TRUE(WaitFor([&] { return view.header->failed.load() != 0; }, 5)) << tc.what << ": not detected";
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&view.header->doorbell), FUTEX_WAKE, 1, nullptr,
+            nullptr, 0);
+    ASSERT_TRUE(WaitFor([&] { return view.header->failed.load() != 0; }, 5))
+        << tc.what << ": not detected";
     auto refused = victim.opt->Commit(absl::Seconds(5));
     EXPECT_EQ(refused.code(), absl::StatusCode::kAborted) << tc.what << ": " << refused;
     EXPECT_THAT(std::string(refused.message()), HasSubstr(tc.says)) << tc.what;
-    EXPECT_TRUE(WaitFor([&] { return !victim.client->ListRegions().ok(); }, 2)) << tc.what << ": session not closed";
+    EXPECT_TRUE(WaitFor([&] { return !victim.client->ListRegions().ok(); }, 2))
+        << tc.what << ": session not closed";
     EXPECT_THAT(d->log(), HasSubstr("event=optimizer_failed")) << tc.what;
     EXPECT_THAT(d->log(), HasSubstr("reason=optimizer_failed")) << tc.what;
   }
@@ -402,7 +435,8 @@ TEST(Optimizer, ClientKilledWhileItsBucketIsUpdated) {
     const pid_t pid = fork();
     if (pid == 0) {
       dup2(out[1], 1);
-      execl(TSD_TEST_CLIENT, TSD_TEST_CLIENT, "optimizer-loop", d->socket().c_str(), "killed-mid-step", nullptr);
+      execl(TSD_TEST_CLIENT, TSD_TEST_CLIENT, "optimizer-loop", d->socket().c_str(),
+            "killed-mid-step", nullptr);
       _exit(127);
     }
     close(out[1]);
@@ -412,7 +446,8 @@ TEST(Optimizer, ClientKilledWhileItsBucketIsUpdated) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20 + 15 * round));
     kill(pid, SIGKILL);
     waitpid(pid, nullptr, 0);
-    ASSERT_TRUE(WaitFor([&] { return observer->Status()->used_bytes == 0 && observer->Status()->jobs == 1; }, 5))
+    ASSERT_TRUE(WaitFor(
+        [&] { return observer->Status()->used_bytes == 0 && observer->Status()->jobs == 1; }, 5))
         << "round " << round;
   }
   OptimizerSpec spec;

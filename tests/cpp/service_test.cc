@@ -32,9 +32,9 @@
 #include <nlohmann/json.hpp>
 
 #include "daemon_process.h"
-#include "tsd/optimizer.h"
 #include "proto/wire.h"
 #include "tsd/client.h"
+#include "tsd/optimizer.h"
 
 extern char** environ;
 
@@ -764,7 +764,8 @@ TEST(Metrics, OptimizerStepsLatencyAndThroughputAreExported) {
   ASSERT_TRUE(c->Attach("metrics-opt").ok());
   tsd::OptimizerSpec spec;
   spec.groups = {{}};
-  spec.buckets = {{0, 1000, tsd::DType::kF32, tsd::DType::kF32}, {0, 300000, tsd::DType::kBF16, tsd::DType::kBF16}};
+  spec.buckets = {{0, 1000, tsd::DType::kF32, tsd::DType::kF32},
+                  {0, 300000, tsd::DType::kBF16, tsd::DType::kBF16}};
   auto opt = c->RegisterOptimizer(spec);
   ASSERT_TRUE(opt.ok()) << opt.status();
   for (int step = 0; step < 3; ++step) {

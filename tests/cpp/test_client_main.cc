@@ -57,7 +57,8 @@ int Exchange(int fd, const tsd::v1::SideRequest& req) {
 
 std::string FromHex(const std::string& hex) {
   std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i + 1 < hex.size(); i += 2)
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   return out;
 }
 
@@ -93,7 +94,8 @@ int Intruder(char** argv) {
   for (uint64_t region = 1; region <= 4 && fd >= 0; ++region) {
     tsd::v1::SideRequest get;
     get.mutable_get_fd()->set_region_id(region);
-    std::printf("getfd_without_hello_%llu=%d\n", static_cast<unsigned long long>(region), Exchange(fd, get));
+    std::printf("getfd_without_hello_%llu=%d\n", static_cast<unsigned long long>(region),
+                Exchange(fd, get));
   }
   if (fd >= 0) close(fd);
   // 4. A made-up token.
@@ -149,6 +151,8 @@ int main(int argc, char** argv) {
   if (mode == "alloc-loop" && argc == 4) return AllocLoop(argv);
   if (mode == "intruder" && argc == 8) return Intruder(argv);
   if (mode == "optimizer-loop" && argc == 4) return OptimizerLoop(argv);
-  std::fprintf(stderr, "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB SESSION TOKEN UID GID\n");
+  std::fprintf(
+      stderr,
+      "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB SESSION TOKEN UID GID\n");
   return 2;
 }

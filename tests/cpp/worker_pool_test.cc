@@ -27,8 +27,16 @@ TEST(WorkerPool, ASmallJobIsNotStarvedByABigOne) {
                 while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
               }});
   std::vector<std::function<void()>> big_tasks, small_tasks;
-  for (int i = 0; i < 40; ++i) big_tasks.push_back([&] { std::lock_guard<std::mutex> l(mu); order.push_back('B'); });
-  for (int i = 0; i < 2; ++i) small_tasks.push_back([&] { std::lock_guard<std::mutex> l(mu); order.push_back('s'); });
+  for (int i = 0; i < 40; ++i)
+    big_tasks.push_back([&] {
+      std::lock_guard<std::mutex> l(mu);
+      order.push_back('B');
+    });
+  for (int i = 0; i < 2; ++i)
+    small_tasks.push_back([&] {
+      std::lock_guard<std::mutex> l(mu);
+      order.push_back('s');
+    });
   pool.Submit(big, std::move(big_tasks));
   pool.Submit(small, std::move(small_tasks));
   release.store(true);
@@ -58,7 +66,11 @@ TEST(WorkerPool, CancelDropsPendingAndWaitsForRunning) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     finished.store(true);
   });
-  for (int i = 0; i < 1000; ++i) tasks.push_back([&] { std::this_thread::sleep_for(std::chrono::milliseconds(1)); ++ran; });
+  for (int i = 0; i < 1000; ++i)
+    tasks.push_back([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ++ran;
+    });
   pool.Submit(q, std::move(tasks));
   while (!running.load()) std::this_thread::yield();
   pool.Cancel(q);
