@@ -105,6 +105,17 @@ struct Client::Impl {
     return std::make_pair(std::move(reply), d->fd);
   }
 
+  // Frees a region of the session's job in the daemon.
+  grpc::Status FreeRegion(uint64_t region_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    v1::FreeRequest req;
+    *req.mutable_session() = session;
+    req.set_region_id(region_id);
+    v1::FreeResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return stub->Free(&ctx, req, &resp);
+  }
+
   // Picks up a notice the daemon left on the side socket without waiting.
   void PollNotice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (side_fd < 0 || !notice.empty()) return;
@@ -309,13 +320,7 @@ absl::StatusOr<std::shared_ptr<Region>> Client::Alloc(const std::string& name, u
   if (!region.ok()) {
     // Do not leave a region behind that this caller never got.
     absl::MutexLock lock(&impl_->mu);
-    v1::FreeRequest req;
-    *req.mutable_session() = impl_->session;
-    req.set_region_id(resp.region().region_id());
-    v1::FreeResponse ignored;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    (void)impl_->stub->Free(&ctx, req, &ignored);
+    (void)impl_->FreeRegion(resp.region().region_id());
   }
   return region;
 }
@@ -350,13 +355,7 @@ absl::Status Client::Free(const std::shared_ptr<Region>& region) {
   if (region == nullptr) return absl::InvalidArgumentError("Free() of a null region");
   absl::MutexLock lock(&impl_->mu);
   if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
-  v1::FreeRequest req;
-  *req.mutable_session() = impl_->session;
-  req.set_region_id(region->id());
-  v1::FreeResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->Free(&ctx, req, &resp);
+  grpc::Status s = impl_->FreeRegion(region->id());
   if (!s.ok()) return impl_->Explain(s, socket_path_);
   region->Unmap();
   return absl::OkStatus();

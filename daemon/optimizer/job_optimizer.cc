@@ -305,21 +305,7 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
     return true;
   }
   if (direct && clip) {
-    run.held_from_accum = false;
-    run.partial.assign(static_cast<size_t>((run.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
-    RunChunked(
-        b,
-        [this, run = &run, gd](int64_t begin, int64_t n, size_t chunk) {
-          run->partial[chunk] = kernels::SumSquares(
-              static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd, n, isa_);
-        },
-        [this, run = &run] {
-          run->sumsq = 0;
-          for (double x : run->partial) run->sumsq += x;
-          run->held = true;
-          run->busy.store(false, std::memory_order_release);
-          Kick();
-        });
+    HoldForCommit(b, /*from_accum=*/false);
     return true;
   }
   // Accumulate, then (final) step from the accumulator or hold it for the commit.
@@ -337,24 +323,32 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
         } else if (!clip) {
           StepBucket(b, r.accum, kernels::DType::kF32, 1.0f, [this, b] { CompleteDelivery(b); });
         } else {
-          r.held_from_accum = true;
-          r.partial.assign(static_cast<size_t>((r.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
-          RunChunked(
-              b,
-              [this, rp = &r](int64_t begin, int64_t n, size_t chunk) {
-                rp->partial[chunk] =
-                    kernels::SumSquares(rp->accum + begin, kernels::DType::kF32, n, isa_);
-              },
-              [this, rp = &r] {
-                rp->sumsq = 0;
-                for (double x : rp->partial) rp->sumsq += x;
-                rp->held = true;
-                rp->busy.store(false, std::memory_order_release);
-                Kick();
-              });
+          HoldForCommit(b, /*from_accum=*/true);
         }
       });
   return true;
+}
+
+void JobOptimizer::HoldForCommit(size_t b, bool from_accum) {
+  BucketRun& run = *runs_[b];
+  run.held_from_accum = from_accum;
+  run.partial.assign(static_cast<size_t>((run.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
+  const kernels::DType gd = from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+  const char* grad =
+      from_accum ? reinterpret_cast<const char*>(run.accum) : static_cast<const char*>(run.grad);
+  RunChunked(
+      b,
+      [this, run = &run, grad, gd](int64_t begin, int64_t n, size_t chunk) {
+        run->partial[chunk] =
+            kernels::SumSquares(grad + begin * kernels::DTypeSize(gd), gd, n, isa_);
+      },
+      [this, run = &run] {
+        run->sumsq = 0;
+        for (double x : run->partial) run->sumsq += x;
+        run->held = true;
+        run->busy.store(false, std::memory_order_release);
+        Kick();
+      });
 }
 
 void JobOptimizer::MaybeApplyCommit() {

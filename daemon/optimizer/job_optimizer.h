@@ -122,6 +122,9 @@ class JobOptimizer final {
   // One pass over the page; returns false after a failure.
   bool Scan();
   bool TakeDelivery(size_t b, uint64_t ready);
+  // Clipping: sums the squares of the bucket's final gradient (its grad slot, or the accumulator)
+  // on the pool, then holds the bucket until the commit.
+  void HoldForCommit(size_t b, bool from_accum);
   void MaybeApplyCommit();
   // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
   // runs once after the last chunk.
