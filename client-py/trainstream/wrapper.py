@@ -37,6 +37,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _MOMENT_DTYPES = {"float32": "float32", "fp32": "float32", torch.float32: "float32",
                   "bfloat16": "bfloat16", "bf16": "bfloat16", torch.bfloat16: "bfloat16"}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_PARAM_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16, torch.float16: torch.float16,
+                 "float32": torch.float32, "fp32": torch.float32, torch.float32: torch.float32}
 _jobs = itertools.count()
 _PAGE = 4096
 # How much of the GPU's memory a run may plan to use (the rest is the allocator's slack).
@@ -73,12 +76,14 @@ def _fmt(n):
 class _Param:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
 
-    __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook")
+    __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook",
+                 "orig_dtype")
 
     def __init__(self, param, bucket, group, index):
         self.param, self.bucket, self.group, self.index = param, bucket, group, index
         self.master = self.grad_slot = self.param_slot = self.hook = None
         self.version = -1
+        self.orig_dtype = param.dtype  # before param_dtype= cast it (restored by unwrap / the switch to stock)
 
 
 class Session:
@@ -93,6 +98,7 @@ class Session:
         self.max_grad_norm = float(options["max_grad_norm"] or 0.0)
         self.accumulation_steps = int(options["accumulation_steps"])
         self.offload = options["offload"]
+        self.param_dtype = options.get("param_dtype")
         self.events = []  # human-readable decisions, for logs and tests
         self.handle = None
         self.params = []      # _Param, by bucket
@@ -175,6 +181,15 @@ class Session:
     def sync_master(self, ps):
         ps.master.view(ps.param.shape).copy_(ps.param.detach())
         ps.version = ps.param._version
+
+    def restore_dtypes(self, per_bucket):
+        """Gives parameters that param_dtype= cast back their own dtype, with the values of their
+        fp32 masters (not the rounded working copies)."""
+        for b, (master, _m, _v, _step) in per_bucket.items():
+            ps = self.params[b]
+            p = ps.param
+            if p.dtype != ps.orig_dtype:
+                p.data = master.view(p.shape).to(device=p.device, dtype=ps.orig_dtype)
 
     def raise_async(self):
         err = self.handle.take_async_error() if self.handle is not None else None
@@ -414,8 +429,11 @@ def _stock_fits(session, optimizer):
         return False, "device is cpu: offloading stays on"
     dev = session.device
     peak = torch.cuda.max_memory_allocated(dev)
-    trainable = [ps.param for ps in session.params]
-    extra = sum(p.numel() * p.element_size() * 3 for p in trainable)  # grads + exp_avg + exp_avg_sq
+    extra = 0
+    for ps in session.params:
+        n, now = ps.param.numel(), ps.param.element_size()
+        own = torch.empty((), dtype=ps.orig_dtype).element_size()
+        extra += n * (own - now) + 3 * n * own  # param_dtype= undone, then grads + exp_avg + exp_avg_sq
     total = torch.cuda.get_device_properties(dev).total_memory
     try:
         fraction = torch.cuda.get_per_process_memory_fraction(dev)
@@ -434,6 +452,7 @@ def _maybe_switch_to_stock(opt):
         s.events.append(f"offload=auto: keeps offloading ({why})")
         return
     per_bucket = s.read_state()
+    s.restore_dtypes(per_bucket)  # stock AdamW steps the parameters in the model's own dtype
     inner_kw = {"fused": True, "foreach": False} if s.cuda else {"fused": False, "foreach": False}
     for g in opt.param_groups:
         g.update(inner_kw)
@@ -460,7 +479,7 @@ def unwrap_session(model):
 def _check_options(options):
     known = {"offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1,
              "check_memory": True, "job": None, "quota": None, "socket": None, "seed": 0,
-             "param_offload": False, "activation_offload": False, "quantize": None}
+             "param_offload": False, "activation_offload": False, "quantize": None, "param_dtype": None}
     unknown = set(options) - set(known)
     if unknown:
         raise TypeError(f"wrap() got unknown options {sorted(unknown)}; it takes {sorted(known)}")
@@ -473,6 +492,13 @@ def _check_options(options):
         raise NotImplementedError("quantize= is not implemented by tsd yet")
     if out["offload"] not in (True, "auto"):
         raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
+    pd = out["param_dtype"]
+    if pd is not None:
+        pd = _PARAM_DTYPES.get(pd)
+        if pd is None:
+            raise ValueError(f"param_dtype must be None, 'bfloat16' or 'float16' (or the torch dtypes), not "
+                             f"{out['param_dtype']!r}")
+        out["param_dtype"] = pd
     if int(out["accumulation_steps"]) < 1:
         raise ValueError("accumulation_steps must be at least 1")
     if out["max_grad_norm"] is not None and not (float(out["max_grad_norm"]) >= 0 and math.isfinite(float(out["max_grad_norm"]))):
@@ -502,7 +528,7 @@ def _hyper(g):
             "weight_decay": float(g["weight_decay"])}
 
 
-def _plan_memory(client, numels, dtypes, ngroups, moment_dtype, accumulate, check_memory, device, params):
+def _plan_memory(client, numels, dtypes, ngroups, moment_dtype, accumulate, check_memory, device, params, sizes):
     """Picks the moment dtype and refuses (check_memory) what cannot fit, with the numbers."""
     st = client.status()
     job = next((j for j in client.jobs() if j.name == client.job), None)
@@ -521,9 +547,9 @@ def _plan_memory(client, numels, dtypes, ngroups, moment_dtype, accumulate, chec
             f" (needs {_fmt(need['bfloat16'])}); check_memory=False skips this check")
     if check_memory and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        on_dev = sum(p.numel() * p.element_size() for p in params if p.device == device)
-        off_dev = sum(p.numel() * p.element_size() for p in params if p.device != device)
-        largest_grad = max((p.numel() * p.element_size() for p in params), default=0)
+        on_dev = sum(p.numel() * size for p, size in zip(params, sizes) if p.device == device)
+        off_dev = sum(p.numel() * size for p, size in zip(params, sizes) if p.device != device)
+        largest_grad = max((p.numel() * size for p, size in zip(params, sizes)), default=0)
         if off_dev + largest_grad > free:
             raise QuotaExceeded(
                 f"the model's weights do not fit on {device}: {_fmt(off_dev)} to move there plus {_fmt(largest_grad)} for "
@@ -538,7 +564,10 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
 
     Options (TrainStream's names): offload="auto" | True, moment_dtype="auto" | "float32" |
     "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True; and tsd's own:
-    job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"), socket=, seed=.
+    job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"), socket=, seed=,
+    param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable parameters become
+    working copies in that dtype on the device while tsd keeps their fp32 masters; unwrap() gives
+    them back in their own dtype with the masters' values).
     See docs/python.md."""
     opts = _check_options(options)
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
@@ -567,7 +596,9 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
         raise ValueError("the optimizer has no trainable parameters (every one has requires_grad=False)")
     buckets = list(reversed(trainable))  # last registered first: backward produces them first
     numels = [p.numel() for p, _, _ in buckets]
-    dtypes = [_DTYPE_NAMES[p.dtype] for p, _, _ in buckets]
+    # The dtype of each parameter's working copy in the model (and of its gradient and slots).
+    work = opts["param_dtype"]
+    dtypes = [_DTYPE_NAMES[work if work is not None else p.dtype] for p, _, _ in buckets]
 
     owns_client = client is None
     if client is None:
@@ -579,7 +610,8 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
     try:
         accumulate = int(opts["accumulation_steps"]) > 1
         moment_dtype, need, avail = _plan_memory(client, numels, dtypes, len(optimizer.param_groups), moment_dtype,
-                                                 accumulate, opts["check_memory"], device, [b[0] for b in buckets])
+                                                 accumulate, opts["check_memory"], device, [b[0] for b in buckets],
+                                                 [_DTYPE_BYTES[d] for d in dtypes])
         handle = client._register_optimizer(
             groups=[_hyper(g) for g in optimizer.param_groups],
             buckets=[(gi, n, d, d) for (_, gi, _), n, d in zip(buckets, numels, dtypes)],
@@ -590,18 +622,22 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
             client.close()
         raise
 
-    if device.type == "cuda":
-        model.to(device)
     session = Session(device, client, owns_client, opts)
     session.handle = handle
     session.moment_dtype = moment_dtype
+    session.param_dtype = work
     session.state_bytes = handle.state_bytes
     for b, (p, gi, index) in enumerate(buckets):
         ps = _Param(p, b, gi, index)
         ps.master, ps.grad_slot, ps.param_slot = handle.master(b), handle.grad(b), handle.param(b)
-        session.sync_master(ps)
+        session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this
+        if work is not None and p.dtype != work:
+            p.data = p.data.to(device=device if device.type == "cuda" else p.device, dtype=work)
+            ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
+    if device.type == "cuda":
+        model.to(device)
     wrapped = TsdAdamW(optimizer, session, moment_dtype)
     if any(len(v) for v in optimizer.state.values()):
         wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
@@ -615,6 +651,7 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
     for ps in session.params:
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
     session.events.append(f"wrap: {len(buckets)} buckets, {sum(numels):,} parameters, {moment_dtype} moments, "
+                          f"{'working copies in ' + _DTYPE_NAMES[work] + ' on ' + str(device) + ', ' if work else ''}"
                           f"{_fmt(handle.state_bytes)} in tsd (job {client.job!r}, {_fmt(avail)} was available), "
                           f"AdamW on {handle.threads} daemon threads ({handle.isa})")
     model._trainstream_session = session
@@ -630,9 +667,13 @@ def unwrap(model):
     try:
         if session.offloading and session.handle is not None and not session.closed:
             try:
-                session.idle()
+                if any(ps.param.dtype != ps.orig_dtype for ps in session.params):
+                    session.restore_dtypes(session.read_state())  # idles first
+                else:
+                    session.idle()
             except TsdError as e:
-                warnings.warn(f"trainstream.unwrap: {e}")
+                cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
+                warnings.warn(f"trainstream.unwrap: {e}{cast}")
     finally:
         session.release()
         session.closed = True

@@ -61,11 +61,14 @@ def test_gpt_20_steps_equal_torch_adamw(tsd, accumulation, max_grad_norm):
     assert [g["lr"] for g in sd["param_groups"]] == [g["lr"] for g in sd_ref["param_groups"]]
 
 
-def master_reference(model, groups_fn, steps, data, max_grad_norm=None):
+def master_reference(model, groups_fn, steps, data, max_grad_norm=None, init=None):
     """Mixed precision done by hand: a low-precision model, fp32 master weights stepped by
     torch.optim.AdamW(foreach=False) on the upcast gradients, rounded back into the model.
-    This is what tsd does for bf16/fp16 models."""
-    masters = {p: p.detach().float().clone().requires_grad_(True) for p in model.parameters()}
+    This is what tsd does for bf16/fp16 models. `init`: fp32 starting values by parameter name
+    (default: the model's own, upcast)."""
+    named = dict(model.named_parameters())
+    start = {id(p): (init[n] if init is not None else p.detach()) for n, p in named.items()}
+    masters = {p: start[id(p)].float().clone().requires_grad_(True) for p in model.parameters()}
     groups = [{**g, "params": [masters[p] for p in g["params"]]} for g in groups_fn(model)]
     opt = torch.optim.AdamW(groups, foreach=False, **HP)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -129,6 +132,59 @@ def test_low_precision_models_keep_fp32_masters(tsd, dtype):
     c = train(stock, opt_stock, data, steps, 1, 1.0, torch.optim.lr_scheduler.LambdaLR(opt_stock, schedule), stock=True)
     print(f"{dtype}: max |loss diff| vs stock AdamW on {dtype} parameters = {max(abs(x - y) for x, y in zip(c, b)):.3g}")
     assert b == pytest.approx(c, abs=0.01)
+
+
+def test_param_dtype_keeps_bf16_working_copies_and_fp32_masters(tsd):
+    """param_dtype=torch.bfloat16 on an fp32 model: the model trains in bf16 while tsd's masters
+    start from (and keep) the fp32 values; unwrap() gives fp32 parameters equal to the masters."""
+    steps = 20
+    data = batches(steps)
+    full = make_gpt(0, torch.float32)
+    init = {n: p.detach().clone() for n, p in full.named_parameters()}
+    ref = copy.deepcopy(full).to(torch.bfloat16)
+    a, masters = master_reference(ref, lambda m: param_groups(m, 0.1, 3e-3), steps, data, max_grad_norm=1.0,
+                                  init=init)
+    mine = copy.deepcopy(full)
+    opt = torch.optim.AdamW(param_groups(mine, 0.1, 3e-3), **HP)
+    mine, opt = trainstream.wrap(mine, opt, device="cpu", socket=tsd.socket, max_grad_norm=1.0,
+                                 param_dtype=torch.bfloat16)
+    try:
+        assert all(p.dtype == torch.bfloat16 for p in mine.parameters())
+        # The masters start from the fp32 values, not from their bf16 rounding.
+        sd0 = opt.state_dict()
+        assert sd0["state"] == {}
+        session = trainstream.unwrap_session(mine)
+        assert all(torch.equal(ps.master.view(ps.param.shape), init[n])
+                   for n, p in mine.named_parameters() for ps in [session.by_param[id(p)]])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        b = train(mine, opt, data, steps, 1, 1.0, sched)
+        sd = opt.state_dict()
+        working = {n: p.detach().clone() for n, p in mine.named_parameters()}
+    finally:
+        trainstream.unwrap(mine)
+    name_of = {id(p): n for n, p in mine.named_parameters()}
+    ref_by_name = dict(ref.named_parameters())
+    in_order = [p for g in opt.param_groups for p in g["params"]]
+    master_diff = max((sd["state"][i]["master"] - masters[ref_by_name[name_of[id(p)]]]).abs().max().item()
+                      for i, p in enumerate(in_order))
+    param_diff = max((working[n].float() - p.detach().float()).abs().max().item() for n, p in ref.named_parameters())
+    print(f"param_dtype=bf16: max |master diff| = {master_diff:.3g}, max |bf16 param diff| = {param_diff:.3g}")
+    assert master_diff <= 1e-4
+    assert param_diff <= 2e-3
+    assert b == pytest.approx(a, abs=1e-3)
+    # unwrap(): fp32 parameters holding exactly the masters' values.
+    for i, p in enumerate(in_order):
+        assert p.dtype == torch.float32
+        assert torch.equal(p.detach(), sd["state"][i]["master"])
+
+
+def test_param_dtype_is_checked(tsd):
+    model = make_gpt(0)
+    with pytest.raises(ValueError, match="param_dtype must be"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                         param_dtype=torch.int8)
+    assert trainstream.unwrap_session(model) is None
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 class Gated(nn.Module):
