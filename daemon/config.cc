@@ -54,6 +54,15 @@ absl::Status ReadToml(const std::string& path, Config& c) {
       c.optimizer_threads = static_cast<int>(i->get());
       continue;
     }
+    if (key.str() == "optimizer_nice") {
+      const auto* i = node.as_integer();
+      if (i == nullptr || i->get() < -20 || i->get() > 19) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config file ", path, ": 'optimizer_nice' must be an integer in [-20, 19]"));
+      }
+      c.optimizer_nice = static_cast<int>(i->get());
+      continue;
+    }
     if (key.str() == "pin_optimizer_threads") {
       const auto* b = node.as_boolean();
       if (b == nullptr) {
@@ -79,7 +88,7 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     if (!known) {
       std::vector<std::string> names;
       for (const auto& [name, field] : strings) names.push_back(name);
-      names.insert(names.end(), {"optimizer_threads", "pin_optimizer_threads"});
+      names.insert(names.end(), {"optimizer_threads", "pin_optimizer_threads", "optimizer_nice"});
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown setting '",
                                                      std::string(key.str()), "'; known are ",
                                                      absl::StrJoin(names, ", ")));
@@ -240,6 +249,10 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
           ->check(CLI::Range(0, 4096));
   auto* o_pin = app.add_flag("--pin-optimizer-threads", flags.pin_optimizer_threads,
                              "pin each optimizer worker to one CPU");
+  auto* o_nice = app.add_option("--optimizer-nice", flags.optimizer_nice,
+                                "nice value of the optimizer workers, -20..19 (default 0); above "
+                                "0 they give way to the trainers' own threads")
+                     ->check(CLI::Range(-20, 19));
   app.add_flag("--print-config", print_config,
                "print the effective configuration as TOML and exit");
   try {
@@ -270,6 +283,7 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (*o_log) c.log_level = flags.log_level;
   if (*o_threads) c.optimizer_threads = flags.optimizer_threads;
   if (*o_pin) c.pin_optimizer_threads = flags.pin_optimizer_threads;
+  if (*o_nice) c.optimizer_nice = flags.optimizer_nice;
   if (*o_metrics) {
     c.metrics_listen = flags.metrics_listen;
     c.metrics_listen_set = true;
@@ -327,6 +341,7 @@ std::string ConfigToToml(const Config& c) {
       {"metrics_listen", c.metrics_listen},
       {"optimizer_threads", c.optimizer_threads},
       {"pin_optimizer_threads", c.pin_optimizer_threads},
+      {"optimizer_nice", c.optimizer_nice},
   };
   std::ostringstream os;
   os << "# effective tsd configuration"

@@ -130,11 +130,17 @@ int RunDaemon(const Config& config) {
     cpu_set_t allowed;
     threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
   }
-  WorkerPool pool(threads, config.pin_optimizer_threads);
+  WorkerPool pool(threads, config.pin_optimizer_threads, config.optimizer_nice);
   options.pool = &pool;
   options.isa = kernels::BestIsa();
-  spdlog::info("event=optimizer_engine threads={} pinned={} isa={}", threads,
-               config.pin_optimizer_threads, kernels::IsaName(options.isa));
+  spdlog::info("event=optimizer_engine threads={} pinned={} nice={} isa={}", threads,
+               config.pin_optimizer_threads, config.optimizer_nice, kernels::IsaName(options.isa));
+  if (pool.nice_errno() != 0) {
+    spdlog::warn(
+        "event=optimizer_nice_failed nice={} error=\"{}\" the workers run at the daemon's own "
+        "priority; a negative nice needs CAP_SYS_NICE (systemd: AmbientCapabilities=CAP_SYS_NICE)",
+        config.optimizer_nice, std::strerror(pool.nice_errno()));
+  }
   options.metrics = &metrics;
   Registry registry(options);
   metrics.WatchRegistry(registry);

@@ -36,6 +36,8 @@ absl::StatusOr<std::string> Reloader::Apply(const Config& next) {
               std::to_string(next.optimizer_threads));
   check_fixed("pin_optimizer_threads", cur.pin_optimizer_threads ? "true" : "false",
               next.pin_optimizer_threads ? "true" : "false");
+  check_fixed("optimizer_nice", std::to_string(cur.optimizer_nice),
+              std::to_string(next.optimizer_nice));
   if (!fixed.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat(absl::StrJoin(fixed, ", "),

@@ -2,11 +2,20 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <latch>
 
 namespace tsd {
 
-WorkerPool::WorkerPool(int threads, bool pin) {
+WorkerPool::WorkerPool(int threads, bool pin, int nice) {
   if (threads < 1) threads = 1;
+  // Each worker sets its own nice value (Linux keeps one per thread) before it takes work; the
+  // constructor returns once all have, so nice_errno() is final.
+  std::latch started(threads);
   std::vector<int> cpus;
   cpu_set_t allowed;
   if (pin && sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
@@ -15,7 +24,14 @@ WorkerPool::WorkerPool(int threads, bool pin) {
     }
   }
   for (int i = 0; i < threads; ++i) {
-    workers_.emplace_back([this] { Work(); });
+    workers_.emplace_back([this, nice, &started] {
+      if (nice != 0 && setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice) != 0) {
+        int expected = 0;
+        nice_errno_.compare_exchange_strong(expected, errno);
+      }
+      started.count_down();
+      Work();
+    });
     if (!cpus.empty()) {
       cpu_set_t one;
       CPU_ZERO(&one);
@@ -23,6 +39,7 @@ WorkerPool::WorkerPool(int threads, bool pin) {
       pthread_setaffinity_np(workers_.back().native_handle(), sizeof(one), &one);
     }
   }
+  started.wait();
 }
 
 WorkerPool::~WorkerPool() {

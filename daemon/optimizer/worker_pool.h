@@ -2,9 +2,11 @@
 // arrives as small tasks (a chunk of one bucket) in per-job queues, and the workers take tasks
 // from the queues in turn: a job with ten times the parameters gets no more than its turn, so it
 // cannot starve a small one. A job's queue can be cancelled; `Cancel` returns once none of the
-// job's tasks runs any more.
+// job's tasks runs any more. Workers may run at a nice value above the trainers': the optimizer
+// is throughput work, while a trainer's kernel-launching thread needs a CPU the moment it wakes.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -20,8 +22,9 @@ namespace tsd {
 class WorkerPool final {
  public:
   class Queue;
-  // `threads` workers (at least 1); with `pin`, worker i is pinned to the i-th allowed CPU.
-  WorkerPool(int threads, bool pin);
+  // `threads` workers (at least 1); with `pin`, worker i is pinned to the i-th allowed CPU; with
+  // `nice` != 0 each worker sets its own nice value (see nice_errno()).
+  WorkerPool(int threads, bool pin, int nice = 0);
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -33,6 +36,9 @@ class WorkerPool final {
   // Drops the queue's pending tasks and waits for its running ones; later Submits are ignored.
   void Cancel(const std::shared_ptr<Queue>& queue);
   int threads() const { return static_cast<int>(workers_.size()); }
+  // 0, or the errno of the first worker that could not set its nice value (e.g. EACCES for a
+  // negative one without CAP_SYS_NICE); known once the constructor returned.
+  int nice_errno() const { return nice_errno_.load(); }
 
   class Queue {
    private:
@@ -51,6 +57,7 @@ class WorkerPool final {
   std::condition_variable idle_cv_;          // a task finished (for Cancel)
   std::list<std::shared_ptr<Queue>> ready_;  // queues with tasks, in round-robin order
   bool stopping_ = false;
+  std::atomic<int> nice_errno_{0};
   std::vector<std::thread> workers_;
 };
 

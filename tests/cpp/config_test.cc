@@ -87,6 +87,32 @@ TEST(LoadConfig, BadFileAndValuesAreNamed) {
   auto level = Load({"--log-level", "loud", "--pool-size", "1GiB"});
   ASSERT_FALSE(level.ok());
   EXPECT_NE(level.status().message().find("log_level 'loud'"), std::string::npos);
+  {
+    std::ofstream f(path);
+    f << "optimizer_nice = 25\n";
+  }
+  auto nice = Load({"--config", path});
+  std::remove(path.c_str());
+  ASSERT_FALSE(nice.ok());
+  EXPECT_NE(nice.status().message().find("'optimizer_nice' must be an integer in [-20, 19]"),
+            std::string::npos)
+      << nice.status();
+}
+
+TEST(LoadConfig, OptimizerNiceFromFileAndFlag) {
+  const std::string path = "/tmp/tsd-config-nice-" + std::to_string(getpid()) + ".toml";
+  {
+    std::ofstream f(path);
+    f << "optimizer_nice = 5\n";
+  }
+  auto file = Load({"--config", path, "--pool-size", "1GiB"});
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->config.optimizer_nice, 5);
+  auto flag = Load({"--config", path, "--pool-size", "1GiB", "--optimizer-nice", "12"});
+  std::remove(path.c_str());
+  ASSERT_TRUE(flag.ok()) << flag.status();
+  EXPECT_EQ(flag->config.optimizer_nice, 12);
+  EXPECT_NE(ConfigToToml(flag->config).find("optimizer_nice = 12"), std::string::npos);
 }
 
 TEST(LoadConfig, MetricsListenDefaultsOffAndTheLastFlagWins) {
@@ -177,9 +203,11 @@ TEST(ShippedConfig, ListsEverySettingWithItsDefault) {
   EXPECT_EQ(a.metrics_listen, b.metrics_listen);
   EXPECT_EQ(a.optimizer_threads, b.optimizer_threads);
   EXPECT_EQ(a.pin_optimizer_threads, b.pin_optimizer_threads);
+  EXPECT_EQ(a.optimizer_nice, b.optimizer_nice);
   EXPECT_EQ(keys, (std::set<std::string>{"socket", "socket_group", "pool_size", "max_job_quota",
                                          "orphan_grace", "log_level", "metrics_listen",
-                                         "optimizer_threads", "pin_optimizer_threads"}));
+                                         "optimizer_threads", "pin_optimizer_threads",
+                                         "optimizer_nice"}));
 }
 
 }  // namespace
