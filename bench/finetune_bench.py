@@ -5,6 +5,8 @@ Runs, each in its own process so peaks do not mix:
   tsd_bf16    the same with param_dtype=torch.bfloat16: bf16 working copies on the GPU, fp32 masters in tsd
               (what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does), bf16 autocast kept
   tsd_bf16m   tsd_bf16 with bf16 moments (stochastic rounding) instead of --moment-dtype
+  tsd_bf16_act, tsd_bf16m_act   those with activation_offload=--activation-offload (a share of the
+              decoder layers whose saved activations are paged to pinned host memory)
   tsd_lora    peft LoRA r=16 on a bf16 base; the LoRA parameters' AdamW in tsd
 and the peers of shared/bench/peers.py (stock fused AdamW in VRAM, FSDP2 + CPUOffloadPolicy,
 stock LoRA). Models come from a config with random weights (no download).
@@ -57,13 +59,14 @@ def run_tsd_mode(a):
     t0 = time.time()
     param_dtype = None
     moment_dtype = a.moment_dtype
-    if a.mode in ("tsd", "tsd_bf16", "tsd_bf16m"):
+    activation_offload = a.activation_offload if a.mode.endswith("_act") else False
+    if a.mode in ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act"):
         model = Qwen2ForCausalLM(cfg).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         autocast = True
         if a.mode != "tsd":
             param_dtype = torch.bfloat16
-        if a.mode == "tsd_bf16m":
+        if a.mode.startswith("tsd_bf16m"):
             moment_dtype = "bfloat16"
     else:
         import peft
@@ -73,7 +76,8 @@ def run_tsd_mode(a):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         autocast = False
     model, opt = trainstream.wrap(model, opt, device="cuda", socket=a.socket, offload=True,
-                                  moment_dtype=moment_dtype, param_dtype=param_dtype)
+                                  moment_dtype=moment_dtype, param_dtype=param_dtype,
+                                  activation_offload=activation_offload)
     session = trainstream.unwrap_session(model)
     setup_s = time.time() - t0
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
@@ -108,7 +112,10 @@ def run_tsd_mode(a):
                                  batch=a.batch, seq=a.seq, step_s_median=med, steps=times,
                                  peak_gib=torch.cuda.max_memory_allocated() / 2**30, tsd_gib=held / 2**30,
                                  setup_s=setup_s, loss=loss.item(), moments=opt.moment_dtype,
-                                 param_dtype=str(param_dtype), gpu_forward_ms=median(fwd_ms),
+                                 param_dtype=str(param_dtype), activation_offload=activation_offload,
+                                 paged_gib_per_step=(session.pager.paged_bytes / a.steps / 2**30
+                                                     if session.pager is not None else 0.0),
+                                 gpu_forward_ms=median(fwd_ms),
                                  gpu_backward_ms=median(bwd_ms), step_call_ms=median(step_ms),
                                  isa=session.handle.isa, threads=session.handle.threads)), flush=True)
     trainstream.unwrap(model)
@@ -140,6 +147,8 @@ def main():
     ap.add_argument("--cap-gib", type=float, default=0)
     ap.add_argument("--modes", default="tsd,stock,fsdp2_offload")
     ap.add_argument("--moment-dtype", default="auto")
+    ap.add_argument("--activation-offload", type=float, default=0.25,
+                    help="share of the decoder layers the *_act modes page (default 0.25)")
     ap.add_argument("--socket", default=None)
     ap.add_argument("--pool-size", default="96GiB")
     ap.add_argument("--daemon-args", default="", help="more arguments for the tsd this script starts")
@@ -174,7 +183,8 @@ def main():
                 r = run_child([sys.executable, a.peers, mode, *common])
             else:
                 r = run_child([sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket,
-                               "--peers", a.peers, "--moment-dtype", a.moment_dtype, *common])
+                               "--peers", a.peers, "--moment-dtype", a.moment_dtype,
+                               "--activation-offload", str(a.activation_offload), *common])
             r.setdefault("mode", mode)
             print("@@" + json.dumps(r), flush=True)
             results.append(r)

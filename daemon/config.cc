@@ -250,7 +250,7 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   auto* o_pin = app.add_flag("--pin-optimizer-threads", flags.pin_optimizer_threads,
                              "pin each optimizer worker to one CPU");
   auto* o_nice = app.add_option("--optimizer-nice", flags.optimizer_nice,
-                                "nice value of the optimizer workers, -20..19 (default 0); above "
+                                "nice value of the optimizer workers, -20..19 (default 10); above "
                                 "0 they give way to the trainers' own threads")
                      ->check(CLI::Range(-20, 19));
   app.add_flag("--print-config", print_config,

@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from . import _state
+from .activations import ActivationPager, choose_blocks, find_blocks
 from .client import Client, parse_bytes
 from .errors import InvalidRequest, QuotaExceeded, TsdError, error_class
 
@@ -99,6 +100,7 @@ class Session:
         self.accumulation_steps = int(options["accumulation_steps"])
         self.offload = options["offload"]
         self.param_dtype = options.get("param_dtype")
+        self.pager = None  # ActivationPager with activation_offload=
         self.events = []  # human-readable decisions, for logs and tests
         self.handle = None
         self.params = []      # _Param, by bucket
@@ -290,6 +292,9 @@ class Session:
             if ps.hook is not None:
                 ps.hook.remove()
                 ps.hook = None
+        if self.pager is not None:
+            self.pager.remove()
+            self.pager = None
         self.offloading = False
         for ps in self.params:
             ps.master = ps.grad_slot = ps.param_slot = None
@@ -471,6 +476,18 @@ def _maybe_switch_to_stock(opt):
                     f"the job's memory in tsd was released")
 
 
+def _ranges(indices):
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)
+
+
 def unwrap_session(model):
     """The Session of a wrapped model (None when it is not wrapped)."""
     return getattr(model, "_trainstream_session", None)
@@ -484,10 +501,10 @@ def _check_options(options):
     if unknown:
         raise TypeError(f"wrap() got unknown options {sorted(unknown)}; it takes {sorted(known)}")
     out = dict(known, **options)
-    for name in ("param_offload", "activation_offload"):
-        if out[name] not in (False, None, "auto"):
-            raise NotImplementedError(f"{name}={out[name]!r} is not implemented by tsd yet: weights and activations stay on "
-                                      f"the GPU; only the optimizer (state, update and gradients) is offloaded")
+    if out["param_offload"] not in (False, None, "auto"):
+        raise NotImplementedError(f"param_offload={out['param_offload']!r} is not implemented by tsd yet: the weights "
+                                  f"stay on the GPU (param_dtype=torch.bfloat16 halves them; their fp32 masters live in "
+                                  f"tsd); the optimizer and, with activation_offload, activations are offloaded")
     if out["quantize"] not in (None, "none"):
         raise NotImplementedError("quantize= is not implemented by tsd yet")
     if out["offload"] not in (True, "auto"):
@@ -591,6 +608,15 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
     amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
     maximize = any(g.get("maximize", False) for g in optimizer.param_groups)
 
+    act = opts["activation_offload"]
+    paged_blocks = None
+    if act not in (False, None, "auto"):
+        blocks_name, block_list = find_blocks(model)
+        if block_list is None:
+            raise ValueError("activation_offload pages the activations of the model's repeated blocks, and this model "
+                             "has no nn.ModuleList of blocks; pass activation_offload=False")
+        paged_blocks = (blocks_name, block_list, choose_blocks(act, len(block_list)))
+
     trainable = _collect(optimizer)
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (every one has requires_grad=False)")
@@ -650,6 +676,12 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
 
     for ps in session.params:
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
+    if paged_blocks is not None:
+        name, block_list, chosen = paged_blocks
+        session.pager = ActivationPager(model, [block_list[i] for i in chosen], device)
+        session.pager.install()
+        session.events.append(f"activation_offload: the saved activations of blocks {_ranges(chosen)} of "
+                              f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory")
     session.events.append(f"wrap: {len(buckets)} buckets, {sum(numels):,} parameters, {moment_dtype} moments, "
                           f"{'working copies in ' + _DTYPE_NAMES[work] + ' on ' + str(device) + ', ' if work else ''}"
                           f"{_fmt(handle.state_bytes)} in tsd (job {client.job!r}, {_fmt(avail)} was available), "

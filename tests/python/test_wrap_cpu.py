@@ -187,6 +187,89 @@ def test_param_dtype_is_checked(tsd):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_activation_offload_is_bit_identical(tsd):
+    """Paged activations (every block, and block 1 only) give the very same losses and
+    parameters as an unpaged run; the pager pages each saved tensor once and keeps weights."""
+    data = batches(6)
+    runs = {}
+    for act in (False, True, [1]):
+        model = make_gpt(0, d=64)
+        opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, activation_offload=act,
+                                      max_grad_norm=1.0)
+        session = trainstream.unwrap_session(model)
+        pager = session.pager
+        try:
+            if act is False:
+                assert pager is None
+            else:
+                # min_bytes at 1 MiB would page nothing of this small model.
+                pager.min_bytes = 1024
+                assert any("activation_offload" in e for e in session.events)
+            losses = train(model, opt, data, 6, 1, 1.0)
+            if pager is not None:
+                assert pager.paged_tensors > 0 and pager.paged_bytes > 0
+                runs[f"paged {act}"] = pager.paged_bytes
+        finally:
+            trainstream.unwrap(model)
+        runs[repr(act)] = (losses, [p.detach().clone() for p in model.parameters()])
+    base_losses, base_params = runs["False"]
+    for act in ("True", "[1]"):
+        losses, params = runs[act]
+        assert losses == base_losses, act
+        assert all(torch.equal(a, b) for a, b in zip(params, base_params)), act
+    assert runs["paged True"] > runs["paged [1]"] > 0  # two blocks page more than one
+
+
+def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
+    from trainstream.activations import ActivationPager
+
+    torch.manual_seed(0)
+    seq = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)) for _ in range(2)])
+    x = torch.randn(64, 256, requires_grad=True)
+    pager = ActivationPager(seq, [seq[0]], "cpu", min_bytes=1)
+    pager.install()
+    seq[1](seq[0](x)).sum().backward()
+    # Each Linear saves its input and its weight: the two inputs of block 0 are paged, its weights
+    # are not, and block 1 is not paged at all.
+    assert pager.paged_tensors == 2
+    assert pager.paged_bytes == 2 * 64 * 256 * 4
+    paged = [p.grad.clone() for p in seq.parameters()] + [x.grad.clone()]
+    pager.remove()
+    for p in [*seq.parameters(), x]:
+        p.grad = None
+    seq[1](seq[0](x)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(paged, [p.grad for p in seq.parameters()] + [x.grad]))
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 8), nn.Linear(256, 8)
+
+        def forward(self, z):
+            return self.a(z) + self.b(z)
+
+    two = nn.ModuleList([Twice(), Twice()])
+    pager = ActivationPager(two, [two[0]], "cpu", min_bytes=1)
+    pager.install()
+    two[0](x * 2).sum().backward()
+    assert pager.paged_tensors == 1  # x * 2, saved by both a and b, is paged once
+    pager.remove()
+
+
+def test_activation_offload_options_are_checked(tsd):
+    model = make_gpt(0)
+    for bad, msg in ((1.5, "fraction must be in"), ([0, 7], "not in \\[0, 2\\)"), ("all", "activation_offload must be")):
+        with pytest.raises(ValueError, match=msg):
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                             activation_offload=bad)
+        assert trainstream.unwrap_session(model) is None
+    flat = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no nn.ModuleList of blocks"):
+        trainstream.wrap(flat, torch.optim.AdamW(flat.parameters()), device="cpu", socket=tsd.socket,
+                         activation_offload=True)
+
+
 class Gated(nn.Module):
     """A GPT with an extra head used only on some steps: its parameters get no gradient then."""
 

@@ -1,0 +1,195 @@
+"""Activation paging: the saved activations of chosen blocks go to host memory during forward and
+come back during backward (`wrap(activation_offload=...)`).
+
+Autograd keeps, for every operation of the forward pass, the tensors its backward needs ("saved
+tensors"); for a transformer these are most of the training memory that is not weights. While a
+paged block runs its forward, `torch.autograd.graph.saved_tensors_hooks` hands each saved tensor
+to `ActivationPager.pack`, which starts a copy into pinned host memory on a side stream and
+returns a `_Page` in its place, so the GPU memory is freed as soon as the forward no longer uses
+the tensor and the copy is done. In backward, `unpack` copies it back on the current stream, right
+before the operation that needs it (the first blocks are paged: their backward runs last, when
+the optimizer, not the GPU, sets the step's pace).
+
+Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
+unpaged one does. Kept on the device: weights (the parameters' own storage, and under autocast
+their cast copies), tensors under `min_bytes`, views that do not cover their memory densely, and
+anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
+On `device="cpu"` the page is a plain copy: no memory is saved, but the path runs and is tested.
+"""
+import math
+
+import torch
+from torch import nn
+
+_MIN_BYTES = 1 << 20
+
+
+def _dense(t):
+    """Whether `t` covers its memory exactly, in some order (contiguous, or e.g. a transposed
+    result of an elementwise op): then a copy with the same strides is one flat memcpy."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Page:
+    """One saved tensor in host memory: the copy, the event that marks it complete, and what it
+    takes to rebuild the tensor on the device."""
+
+    __slots__ = ("host", "event", "size", "stride", "dtype", "device", "uses", "cached")
+
+    def __init__(self, host, event, t):
+        self.host, self.event = host, event
+        self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
+        self.uses = 1        # operations that saved this tensor (unpacks to expect)
+        self.cached = None   # the tensor back on the device, while more unpacks are expected
+
+
+def find_blocks(model):
+    """The model's repeated block stack: its largest nn.ModuleList by parameter count (the
+    `layers` of a Hugging Face decoder, the `blocks` of a GPT). Returns (name, ModuleList) or
+    (None, None)."""
+    best, best_name, best_n = None, None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_name, best_n = m, name, n
+    return best_name, best
+
+
+def choose_blocks(option, count):
+    """Indices of the blocks to page for an `activation_offload` value: True (all), a fraction
+    in (0, 1] (the first ceil(f * count) blocks: their activations are made first and needed
+    last), or a list of block indices."""
+    if option is True:
+        return list(range(count))
+    if isinstance(option, float) and not isinstance(option, bool):
+        if not 0.0 < option <= 1.0:
+            raise ValueError(f"activation_offload as a fraction must be in (0, 1], not {option}")
+        return list(range(min(count, math.ceil(option * count))))
+    if isinstance(option, (list, tuple)):
+        bad = [i for i in option if not isinstance(i, int) or not 0 <= i < count]
+        if bad:
+            raise ValueError(f"activation_offload block indices {bad} are not in [0, {count}) (the model has "
+                             f"{count} blocks)")
+        return sorted(set(option))
+    raise ValueError(f"activation_offload must be False, True, 'auto', a fraction in (0, 1] or a list of block "
+                     f"indices, not {option!r}")
+
+
+class ActivationPager:
+    """Pages the saved tensors of `blocks` (modules) to host memory; see the module docstring.
+    `install()` registers the module hooks, `remove()` takes them away. `paged_bytes` counts the
+    bytes paged out since the last `reset_stats()`."""
+
+    def __init__(self, model, blocks, device, min_bytes=_MIN_BYTES):
+        self.model = model
+        self.blocks = list(blocks)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.min_bytes = int(min_bytes)
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.handles = []
+        self.hook_ctx = []        # the saved_tensors_hooks contexts of blocks running forward
+        self.current = {}         # (ptr, version, ...) -> (tensor, page): dedup within a block's forward
+        self.keep_ptrs = set()    # storages of the parameters: never paged
+        self.keep_shapes = set()  # parameter shapes: under autocast, their cast copies stay too
+        self.paged_bytes = 0
+        self.paged_tensors = 0
+
+    # ---- hooks
+    def install(self):
+        for blk in self.blocks:
+            self.handles.append(blk.register_forward_pre_hook(self._enter))
+            self.handles.append(blk.register_forward_hook(self._exit, always_call=True))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        while self.hook_ctx:
+            self.hook_ctx.pop().__exit__(None, None, None)
+        self.current.clear()
+
+    def reset_stats(self):
+        self.paged_bytes = self.paged_tensors = 0
+
+    def _enter(self, module, args):
+        if not torch.is_grad_enabled():
+            self.hook_ctx.append(None)
+            return
+        # Parameters can be replaced between steps (param_dtype=, .to()): look at them each time.
+        self.keep_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.keep_shapes = {tuple(p.shape) for p in self.model.parameters()}
+        ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        ctx.__enter__()
+        self.hook_ctx.append(ctx)
+
+    def _exit(self, module, args, output):
+        ctx = self.hook_ctx.pop() if self.hook_ctx else None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if not self.hook_ctx:
+            self.current.clear()  # the block's tensors may be freed now (once their copies are done)
+
+    # ---- saved tensors
+    def _keep(self, t):
+        if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
+            return True
+        if t.numel() * t.element_size() < self.min_bytes or not _dense(t):
+            return True
+        if t.untyped_storage().data_ptr() in self.keep_ptrs:
+            return True
+        if torch.is_autocast_enabled(self.device.type) and tuple(t.shape) in self.keep_shapes:
+            return True  # autocast's cast copy of a weight
+        return False
+
+    def pack(self, t):
+        if self._keep(t):
+            return t
+        key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride())
+        hit = self.current.get(key)
+        if hit is not None:
+            hit[1].uses += 1
+            return hit[1]
+        if self.cuda:
+            stream = self.stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # its memory is reused only after the copy
+                event = torch.cuda.Event()
+                event.record(stream)
+        else:
+            host = t.detach().clone()
+            event = None
+        page = _Page(host, event, t)
+        self.current[key] = (t, page)
+        self.paged_bytes += t.numel() * t.element_size()
+        self.paged_tensors += 1
+        return page
+
+    def unpack(self, page):
+        if not isinstance(page, _Page):
+            return page
+        page.uses -= 1
+        out = page.cached
+        if out is None:
+            if self.cuda:
+                stream = torch.cuda.current_stream(page.device)
+                stream.wait_event(page.event)
+                out = torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=page.device)
+                out.copy_(page.host, non_blocking=True)  # the host block stays allocated until the copy is done
+            else:
+                out = page.host.clone()
+        # One copy back serves every operation that saved the tensor; the last one lets it go.
+        page.cached = out if page.uses > 0 else None
+        return out
