@@ -26,7 +26,7 @@ struct Config {
   // Nice value of the optimizer workers (-20..19). Above 0 they yield the CPU to a trainer's
   // latency-sensitive threads (the one launching CUDA kernels) on the same machine.
   int optimizer_nice = 10;
-  std::string config_path;             // the file that was read, or empty
+  std::string config_path;  // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.
   std::vector<std::string> args;

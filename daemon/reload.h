@@ -5,9 +5,9 @@
 // Applied live: log_level, pool_size (larger, or smaller but not below what jobs hold),
 // max_job_quota (for jobs created from now on; existing jobs keep their quota), orphan_grace.
 // Not applied live: socket, socket_group, metrics_listen (they would need new sockets),
-// optimizer_threads, pin_optimizer_threads and optimizer_nice (the engine's threads are started once). A
-// reload that changes one of those, names a pool smaller than what is held, a pool too large to
-// lock, or a file that does not parse is refused as a whole: the error says why, and every
+// optimizer_threads, pin_optimizer_threads and optimizer_nice (the engine's threads are started
+// once). A reload that changes one of those, names a pool smaller than what is held, a pool too
+// large to lock, or a file that does not parse is refused as a whole: the error says why, and every
 // setting keeps its value.
 #pragma once
 

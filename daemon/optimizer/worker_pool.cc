@@ -25,7 +25,8 @@ WorkerPool::WorkerPool(int threads, bool pin, int nice) {
   }
   for (int i = 0; i < threads; ++i) {
     workers_.emplace_back([this, nice, &started] {
-      if (nice != 0 && setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice) != 0) {
+      if (nice != 0 &&
+          setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice) != 0) {
         int expected = 0;
         nice_errno_.compare_exchange_strong(expected, errno);
       }

@@ -204,10 +204,10 @@ TEST(ShippedConfig, ListsEverySettingWithItsDefault) {
   EXPECT_EQ(a.optimizer_threads, b.optimizer_threads);
   EXPECT_EQ(a.pin_optimizer_threads, b.pin_optimizer_threads);
   EXPECT_EQ(a.optimizer_nice, b.optimizer_nice);
-  EXPECT_EQ(keys, (std::set<std::string>{"socket", "socket_group", "pool_size", "max_job_quota",
-                                         "orphan_grace", "log_level", "metrics_listen",
-                                         "optimizer_threads", "pin_optimizer_threads",
-                                         "optimizer_nice"}));
+  EXPECT_EQ(keys,
+            (std::set<std::string>{
+                "socket", "socket_group", "pool_size", "max_job_quota", "orphan_grace", "log_level",
+                "metrics_listen", "optimizer_threads", "pin_optimizer_threads", "optimizer_nice"}));
 }
 
 }  // namespace
