@@ -1,6 +1,7 @@
 """trainstream.wrap() on device="cpu": the whole streaming path (hooks, slots, doorbells, the
 daemon's AdamW, copies back) against torch.optim.AdamW(foreach=False) on a small GPT."""
 import copy
+import math
 
 import pytest
 import torch
@@ -475,6 +476,34 @@ def test_offload_auto_switches_to_stock_adamw_when_it_fits(tsd, monkeypatch):
     assert b == pytest.approx(a, rel=1e-5)
     with trainstream.connect(socket=tsd.socket) as c:
         assert "auto-switch" not in [j.name for j in c.jobs()]
+
+
+def test_offload_auto_switch_gives_param_dtype_models_their_fp32_weights_back(tsd, monkeypatch):
+    """With param_dtype=bf16, the switch to stock AdamW restores the fp32 parameters from the
+    masters, so stock AdamW steps the model in fp32, as the user made it."""
+    import trainstream.wrapper as w
+    monkeypatch.setattr(w, "_stock_fits", lambda session, opt: (True, "forced by the test"))
+    restored = {}
+    real_restore = w.Session.restore_dtypes
+
+    def restore(session, per_bucket):
+        restored.update({id(session.params[b].param): m.clone() for b, (m, _, _, _) in per_bucket.items()})
+        real_restore(session, per_bucket)
+
+    monkeypatch.setattr(w.Session, "restore_dtypes", restore)
+    model = make_gpt(0)
+    opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload="auto",
+                                  param_dtype=torch.bfloat16)
+    data = batches(4)
+    train(model, opt, data[:2], 2)  # the switch comes at the end of the second step
+    assert not opt.offloading
+    params = list(model.parameters())
+    assert all(p.dtype == torch.float32 for p in params)
+    assert all(torch.equal(p.detach().reshape(-1), restored[id(p)]) for p in params)
+    losses = train(model, opt, data[2:], 2)  # stock AdamW on the fp32 parameters from here
+    assert all(math.isfinite(x) for x in losses)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_offload_auto_keeps_offloading_when_it_does_not_fit(tsd):
