@@ -85,7 +85,7 @@ Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry)
 Metrics::~Metrics() { StopServing(); }
 
 void Metrics::WatchRegistry(const Registry& registry) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   registry_ = &registry;
 }
 
@@ -125,12 +125,12 @@ Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
 }
 
 void Metrics::RecordStep(const std::string& job) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   SeriesLocked(job).steps->Increment();
 }
 
 void Metrics::RecordBucketUpdate(const std::string& job, double seconds, uint64_t params) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   JobSeries& s = SeriesLocked(job);
   s.bucket_seconds->Observe(seconds);
   s.params->Increment(static_cast<double>(params));
@@ -140,7 +140,7 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   uint64_t generation;
   const Registry* registry;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     generation = ++generation_;  // series created from here on survive this scrape
     registry = registry_;
   }
@@ -187,7 +187,7 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
 
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
       if (it->second.generation < generation && live.count(it->first) == 0) {
         steps_->Remove(it->second.steps);

@@ -32,12 +32,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace prometheus {
@@ -111,7 +111,7 @@ class Metrics final {
   std::unique_ptr<prometheus::Exposer> exposer_;
 
   // A scrape prunes the series of released jobs, hence mutable.
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   const Registry* registry_ ABSL_GUARDED_BY(mu_) = nullptr;
   mutable uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::map<std::string, JobSeries> jobs_ ABSL_GUARDED_BY(mu_);

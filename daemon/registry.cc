@@ -72,7 +72,7 @@ v1::RegionInfo Registry::Describe(const Region& r) {
 
 absl::StatusOr<AttachGrant> Registry::BeginAttach(const std::string& job, uint64_t quota_bytes) {
   if (absl::Status s = wire::ValidateName("job", job); !s.ok()) return s;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   size_t pending = 0;
   for (const auto& [id, s] : sessions_) pending += s.live ? 0 : 1;
   if (pending >= options_.max_pending) {
@@ -97,7 +97,7 @@ absl::StatusOr<AttachGrant> Registry::BeginAttach(const std::string& job, uint64
 
 absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const std::string& token,
                                                     uid_t uid, pid_t pid) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return absl::PermissionDeniedError(
@@ -198,7 +198,7 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto session = LiveSession(ref);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
@@ -246,7 +246,7 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
   auto region = Region::Create(region_id, name, bytes, options_.lock_memory);
 
   std::shared_ptr<Region> dead;  // destroyed after the lock is dropped
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end() || job->second.instance != instance) {
     // The job was released meanwhile (its last session died); that already uncharged the pool.
@@ -272,7 +272,7 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
   std::shared_ptr<Region> dead;
   uint64_t freed = 0;
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto session = LiveSession(ref);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
@@ -298,7 +298,7 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
 }
 
 absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::SessionRef& ref) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto session = LiveSession(ref);
   if (!session.ok()) return session.status();
   std::vector<v1::RegionInfo> out;
@@ -307,7 +307,7 @@ absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::Sess
 }
 
 absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end() || !it->second.live) {
     return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
@@ -363,7 +363,7 @@ void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Release
 
 absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
   Released dead;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto session = LiveSession(ref);
   if (!session.ok()) return session.status();
   const std::string job = (*session)->job;
@@ -374,13 +374,13 @@ absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
 
 void Registry::SessionDisconnected(uint64_t session_id) {
   Released dead;  // declared first: destroyed after the lock is dropped
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   RemoveSessionLocked(session_id, "disconnected", dead);
 }
 
 void Registry::Sweep(absl::Time now) {
   Released dead;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (!it->second.live && now >= it->second.hello_deadline) {
       spdlog::info("event=pending_session_expired session={} job={}", it->first, it->second.job);
@@ -406,7 +406,7 @@ void Registry::Sweep(absl::Time now) {
 
 void Registry::ReleaseAll() {
   Released dead;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> names;
   for (const auto& [name, job] : jobs_) names.push_back(name);
   for (const auto& name : names) ReleaseJobLocked(name, "shutdown", dead);
@@ -414,7 +414,7 @@ void Registry::ReleaseAll() {
 }
 
 PoolSnapshot Registry::Snapshot() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   PoolSnapshot s;
   s.pool_bytes = options_.pool_bytes;
   s.used_bytes = used_bytes_;
@@ -424,7 +424,7 @@ PoolSnapshot Registry::Snapshot() const {
 }
 
 std::vector<v1::JobInfo> Registry::Jobs() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<v1::JobInfo> out;
   for (const auto& [name, job] : jobs_) {
     out.push_back(DescribeJob(name, job));
@@ -445,7 +445,7 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
   auto plan = JobOptimizer::Plan(req, options.pool_bytes);
   if (!plan.ok()) return plan.status();
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     auto session = LiveSession(req.session());
     if (!session.ok()) return session.status();
     const Job& job = jobs_.at((*session)->job);
@@ -485,7 +485,7 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
     made.push_back(info->region_id());
   }
   Released dead;
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto session = LiveSession(req.session());
   if (!session.ok()) return session.status();
   Job& job = jobs_.at((*session)->job);
@@ -524,7 +524,7 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
 }
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end() || !it->second.live) {
     return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
@@ -542,13 +542,13 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
 namespace tsd {
 
 RegistryOptions Registry::options() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return options_;
 }
 
 absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
                                    absl::Duration orphan_grace) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (pool_bytes < used_bytes_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the new pool of ", FormatBytes(pool_bytes), " is smaller than the ",
@@ -562,7 +562,7 @@ absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_b
 }
 
 Registry::MetricsView Registry::View() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   MetricsView v;
   v.pool.pool_bytes = options_.pool_bytes;
   v.pool.used_bytes = used_bytes_;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -24,7 +25,6 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -177,7 +177,7 @@ class Registry final {
   // Fixed at construction, except pool_bytes, max_job_quota_bytes and orphan_grace, which
   // Reconfigure changes under mu_ (read them under mu_ too).
   RegistryOptions options_;
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_region_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -12,9 +12,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_host.h"
 #include "proto/status_convert.h"
@@ -61,7 +63,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Tsd::Stub> stub;
 
-  mutable absl::Mutex mu;
+  mutable std::mutex mu;
   bool attached ABSL_GUARDED_BY(mu) = false;
   v1::SessionRef session ABSL_GUARDED_BY(mu);
   std::string job ABSL_GUARDED_BY(mu);
@@ -174,24 +176,24 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
 }
 
 bool Client::attached() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->attached;
 }
 std::string Client::job() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->job;
 }
 uint64_t Client::quota_bytes() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->quota_bytes;
 }
 uint64_t Client::session_id() const {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->session.session_id();
 }
 
 absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->attached) {
     return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '",
                                                       impl_->job,
@@ -248,7 +250,7 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
 }
 
 absl::Status Client::Detach() {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->attached)
     return absl::FailedPreconditionError("this client is not attached to a job");
   v1::DetachRequest req;
@@ -270,7 +272,7 @@ absl::Status Client::Detach() {
 absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) {
   std::shared_ptr<Region> region;
   {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
     v1::SideRequest req;
     req.mutable_get_fd()->set_region_id(region_id);
@@ -305,7 +307,7 @@ absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) 
 absl::StatusOr<std::shared_ptr<Region>> Client::Alloc(const std::string& name, uint64_t bytes) {
   v1::AllocResponse resp;
   {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     if (!impl_->attached) return absl::FailedPreconditionError("attach to a job before allocating");
     v1::AllocRequest req;
     *req.mutable_session() = impl_->session;
@@ -319,14 +321,14 @@ absl::StatusOr<std::shared_ptr<Region>> Client::Alloc(const std::string& name, u
   auto region = FetchAndMap(resp.region().region_id());
   if (!region.ok()) {
     // Do not leave a region behind that this caller never got.
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     (void)impl_->FreeRegion(resp.region().region_id());
   }
   return region;
 }
 
 absl::StatusOr<std::vector<RegionDesc>> Client::ListRegions() {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
   v1::ListRegionsRequest req;
   *req.mutable_session() = impl_->session;
@@ -353,7 +355,7 @@ absl::StatusOr<std::shared_ptr<Region>> Client::Map(const std::string& name) {
 
 absl::Status Client::Free(const std::shared_ptr<Region>& region) {
   if (region == nullptr) return absl::InvalidArgumentError("Free() of a null region");
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
   grpc::Status s = impl_->FreeRegion(region->id());
   if (!s.ok()) return impl_->Explain(s, socket_path_);
@@ -368,7 +370,7 @@ absl::StatusOr<PoolStatus> Client::Status() {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = impl_->stub->Status(&ctx, req, &r);
   if (!s.ok()) {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     return impl_->Explain(s, socket_path_);
   }
   return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
@@ -382,7 +384,7 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = impl_->stub->ListJobs(&ctx, req, &r);
   if (!s.ok()) {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     return impl_->Explain(s, socket_path_);
   }
   std::vector<JobStatus> out;
@@ -417,7 +419,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
   req.set_seed(spec.seed);
   v1::RegisterOptimizerResponse resp;
   {
-    absl::MutexLock lock(&impl_->mu);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     if (!impl_->attached)
       return absl::FailedPreconditionError("attach to a job before registering an optimizer");
     *req.mutable_session() = impl_->session;
@@ -455,7 +457,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
 }
 
 absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
   v1::SideRequest req;
   if (save) {
@@ -473,7 +475,7 @@ absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
 }
 
 bool Client::DaemonAlive(std::string* why) {
-  absl::MutexLock lock(&impl_->mu);
+  std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->side_fd < 0) {
     *why = "this client is not attached to tsd";
     return false;

@@ -249,6 +249,9 @@ void JobOptimizer::DispatchLoop() {
 }
 
 bool JobOptimizer::Scan() {
+  // SaveState/LoadState (side-socket thread) read the dispatcher's own fields (done_local, held,
+  // committed_local_) and must not see a delivery taken half-way: they hold this mutex too.
+  std::lock_guard<std::mutex> lock(state_mu_);
   // Read the commit counter first: the client bumps it after marking its deliveries, so every
   // delivery before the commit is visible below.
   const uint64_t commit = page_.header->commit.load(std::memory_order_acquire);

@@ -157,7 +157,9 @@ class JobOptimizer final {
   std::atomic<bool> failed_{false};
   mutable std::mutex failure_mu_;
   std::string failure_;
-  std::mutex state_mu_;  // serialises SaveState/LoadState
+  // Serialises SaveState/LoadState with each other and with the dispatcher's Scan (which writes
+  // the fields they read); uncontended on the hot path.
+  std::mutex state_mu_;
   std::thread dispatcher_;
 };
 
