@@ -258,6 +258,21 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
     pager.remove()
 
 
+def test_activation_pager_keeps_strides_and_skips_sparse_views():
+    from trainstream.activations import ActivationPager
+
+    pager = ActivationPager(nn.Linear(1, 1), [], "cpu", min_bytes=1)
+    base = torch.randn(64, 48)
+    dense_t = base.t() * 2                 # a transposed result: not contiguous, but dense
+    page = pager.pack(dense_t)
+    back = pager.unpack(page)
+    assert back is not dense_t and back.stride() == dense_t.stride() and torch.equal(back, dense_t)
+    view = base[:, :10]                    # leaves gaps in its storage: kept as it is
+    assert pager.pack(view) is view
+    small = ActivationPager(nn.Linear(1, 1), [], "cpu")  # 1 MiB threshold
+    assert small.pack(base) is base
+
+
 def test_activation_offload_options_are_checked(tsd):
     model = make_gpt(0)
     for bad, msg in ((1.5, "fraction must be in"), ([0, 7], "not in \\[0, 2\\)"), ("all", "activation_offload must be")):
