@@ -286,13 +286,15 @@ class Session:
             ps = self.params[b]
             ps.version = ps.param._version
 
-    def release(self):
-        """Removes the hooks and gives the job's memory back (when this session owns the client)."""
+    def release(self, keep_pager=False):
+        """Removes the hooks and gives the job's memory back (when this session owns the client).
+        `keep_pager`: activation paging stays on (the switch to stock AdamW: the VRAM it measured
+        was with paging)."""
         for ps in self.params:
             if ps.hook is not None:
                 ps.hook.remove()
                 ps.hook = None
-        if self.pager is not None:
+        if self.pager is not None and not keep_pager:
             self.pager.remove()
             self.pager = None
         self.offloading = False
@@ -461,7 +463,7 @@ def _maybe_switch_to_stock(opt):
     inner_kw = {"fused": True, "foreach": False} if s.cuda else {"fused": False, "foreach": False}
     for g in opt.param_groups:
         g.update(inner_kw)
-    s.release()
+    s.release(keep_pager=True)  # the fit check measured the peak with the activations paged
     inner = torch.optim.AdamW(opt.param_groups, **inner_kw)
     for b, (master, m, v, step) in per_bucket.items():
         p = s.params[b].param

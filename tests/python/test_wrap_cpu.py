@@ -509,16 +509,25 @@ def test_offload_auto_switch_gives_param_dtype_models_their_fp32_weights_back(ts
     model = make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload="auto",
-                                  param_dtype=torch.bfloat16)
+                                  param_dtype=torch.bfloat16, activation_offload=True)
+    session = trainstream.unwrap_session(model)
+    session.pager.min_bytes = 1024
     data = batches(4)
     train(model, opt, data[:2], 2)  # the switch comes at the end of the second step
     assert not opt.offloading
+    # Activation paging stays on after the switch: the fit check measured the peak with it.
+    assert session.pager is not None and session.pager.handles
+    paged_before = session.pager.paged_bytes
     params = list(model.parameters())
     assert all(p.dtype == torch.float32 for p in params)
     assert all(torch.equal(p.detach().reshape(-1), restored[id(p)]) for p in params)
     losses = train(model, opt, data[2:], 2)  # stock AdamW on the fp32 parameters from here
     assert all(math.isfinite(x) for x in losses)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert session.pager.paged_bytes > paged_before
+    pager = session.pager
+    trainstream.unwrap(model)
+    assert session.pager is None and not pager.handles
 
 
 def test_offload_auto_keeps_offloading_when_it_does_not_fit(tsd):
