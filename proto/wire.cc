@@ -1,6 +1,7 @@
 #include "proto/wire.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,17 +15,30 @@ namespace tsd::wire {
 
 std::string DefaultSocketPath() {
   const uid_t uid = getuid();
-  if (uid == 0) return "/run/tsd/tsd.sock";
+  if (uid == 0) return kSystemSocketPath;
   if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && xdg[0] == '/') {
     return absl::StrCat(xdg, "/tsd/tsd.sock");
   }
   return absl::StrCat("/tmp/tsd-", uid, "/tsd.sock");
 }
 
+std::string ChooseSocketPath(const std::string& explicit_path, const char* env,
+                             const std::string& user_default, const std::string& system_path,
+                             bool (*is_socket)(const std::string&)) {
+  if (!explicit_path.empty()) return explicit_path;
+  if (env != nullptr && env[0] != '\0') return env;
+  if (user_default != system_path && !is_socket(user_default) && is_socket(system_path)) {
+    return system_path;
+  }
+  return user_default;
+}
+
 std::string ResolveSocketPath(const std::string& explicit_path) {
-  if (!explicit_path.empty()) return std::string(explicit_path);
-  if (const char* env = std::getenv("TSD_SOCKET"); env != nullptr && env[0] != '\0') return env;
-  return DefaultSocketPath();
+  return ChooseSocketPath(explicit_path, std::getenv("TSD_SOCKET"), DefaultSocketPath(),
+                          kSystemSocketPath, [](const std::string& path) {
+                            struct stat st {};
+                            return stat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+                          });
 }
 
 std::string SideSocketPath(const std::string& socket_path) {

@@ -27,8 +27,16 @@ inline constexpr uint64_t kPageBytes = 4096;
 // The default control socket: /run/tsd/tsd.sock for root, else $XDG_RUNTIME_DIR/tsd/tsd.sock,
 // else /tmp/tsd-$UID/tsd.sock.
 std::string DefaultSocketPath();
-// `explicit_path` when not empty, else $TSD_SOCKET when set, else DefaultSocketPath().
+// The system service's control socket (systemd's RuntimeDirectory=tsd).
+inline constexpr char kSystemSocketPath[] = "/run/tsd/tsd.sock";
+// Where a client connects: `explicit_path` when not empty, else $TSD_SOCKET when set, else
+// DefaultSocketPath(), unless no socket is there and the system service's is: then that one
+// (a user's own daemon wins over the node's service).
 std::string ResolveSocketPath(const std::string& explicit_path);
+// The same choice with its inputs given (testable): `is_socket` says whether a path is a socket.
+std::string ChooseSocketPath(const std::string& explicit_path, const char* env,
+                             const std::string& user_default, const std::string& system_path,
+                             bool (*is_socket)(const std::string&));
 // The side socket for a control socket: "x.sock" -> "x.fd.sock", anything else -> "<path>.fd".
 std::string SideSocketPath(const std::string& socket_path);
 // The lock file that keeps a second daemon off a live socket: "<socket>.lock".

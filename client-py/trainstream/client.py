@@ -127,7 +127,8 @@ def connect(socket=None, job=None, quota=None):
     """Connects to the local tsd and returns a `Client` (a context manager).
 
     `socket` defaults to $TSD_SOCKET, then tsd's default path (/run/tsd/tsd.sock as root, else
-    $XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock). With `job`, the client attaches to that
+    $XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock), or the system service's
+    /run/tsd/tsd.sock when no daemon listens at that default and the service's socket exists. With `job`, the client attaches to that
     job (created on first attach) with `quota` bytes at most. With no daemon there, raises
     `trainstream.DaemonUnavailable` naming the path tried and how to start tsd."""
     return Client(socket=socket, job=job, quota=quota)

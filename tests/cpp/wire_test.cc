@@ -16,7 +16,26 @@ TEST(Wire, SocketPaths) {
   EXPECT_EQ(ResolveSocketPath(""), "/tmp/from-env.sock");
   EXPECT_EQ(ResolveSocketPath("/x.sock"), "/x.sock");
   unsetenv("TSD_SOCKET");
-  EXPECT_EQ(ResolveSocketPath(""), DefaultSocketPath());
+  EXPECT_EQ(ChooseSocketPath("", nullptr, "/u/tsd.sock", "/s/tsd.sock",
+                             [](const std::string&) { return false; }),
+            "/u/tsd.sock");
+}
+
+// A client without TSD_SOCKET uses its own default socket when a daemon is there, else the system
+// service's socket when that one is; explicit paths and TSD_SOCKET always win.
+TEST(Wire, ClientsFallBackToTheSystemServiceSocket) {
+  static std::string present;
+  auto is_socket = [](const std::string& p) { return p == present; };
+  present = "/s/tsd.sock";
+  EXPECT_EQ(ChooseSocketPath("", nullptr, "/u/tsd.sock", "/s/tsd.sock", is_socket), "/s/tsd.sock");
+  EXPECT_EQ(ChooseSocketPath("", "", "/u/tsd.sock", "/s/tsd.sock", is_socket), "/s/tsd.sock");
+  EXPECT_EQ(ChooseSocketPath("", "/e.sock", "/u/tsd.sock", "/s/tsd.sock", is_socket), "/e.sock");
+  EXPECT_EQ(ChooseSocketPath("/x.sock", nullptr, "/u/tsd.sock", "/s/tsd.sock", is_socket),
+            "/x.sock");
+  present = "/u/tsd.sock";
+  EXPECT_EQ(ChooseSocketPath("", nullptr, "/u/tsd.sock", "/s/tsd.sock", is_socket), "/u/tsd.sock");
+  present = "";
+  EXPECT_EQ(ChooseSocketPath("", nullptr, "/u/tsd.sock", "/s/tsd.sock", is_socket), "/u/tsd.sock");
 }
 
 TEST(Wire, Names) {
