@@ -95,6 +95,7 @@ setup(
                 "gradients streamed out while backward runs",
     packages=["trainstream"],
     package_dir={"trainstream": "trainstream"},
+    package_data={"trainstream": ["py.typed"]},
     ext_modules=[ext],
     cmdclass={"build_ext": Build},
     python_requires=">=3.10",

@@ -16,7 +16,10 @@ their cast copies), tensors under `min_bytes`, views that do not cover their mem
 anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
 On `device="cpu"` the page is a plain copy: no memory is saved, but the path runs and is tested.
 """
+from __future__ import annotations
+
 import math
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -51,7 +54,7 @@ class _Page:
         self.cached = None   # the tensor back on the device, while more unpacks are expected
 
 
-def find_blocks(model):
+def find_blocks(model: nn.Module) -> tuple[Optional[str], Optional[nn.ModuleList]]:
     """The model's repeated block stack: its largest nn.ModuleList by parameter count (the
     `layers` of a Hugging Face decoder, the `blocks` of a GPT). Returns (name, ModuleList) or
     (None, None)."""
@@ -64,7 +67,7 @@ def find_blocks(model):
     return best_name, best
 
 
-def choose_blocks(option, count):
+def choose_blocks(option: Union[bool, float, Sequence[int]], count: int) -> list[int]:
     """Indices of the blocks to page for an `activation_offload` value: True (all), a fraction
     in (0, 1] (the first ceil(f * count) blocks: their activations are made first and needed
     last), or a list of block indices."""
@@ -89,36 +92,41 @@ class ActivationPager:
     `install()` registers the module hooks, `remove()` takes them away. `paged_bytes` counts the
     bytes paged out since the last `reset_stats()`."""
 
-    def __init__(self, model, blocks, device, min_bytes=_MIN_BYTES):
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
+                 min_bytes: int = _MIN_BYTES) -> None:
         self.model = model
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.min_bytes = int(min_bytes)
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.handles = []
-        self.hook_ctx = []        # the saved_tensors_hooks contexts of blocks running forward
-        self.current = {}         # (ptr, version, ...) -> (tensor, page): dedup within a block's forward
-        self.keep_ptrs = set()    # storages of the parameters: never paged
-        self.keep_shapes = set()  # parameter shapes: under autocast, their cast copies stay too
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The saved_tensors_hooks contexts of blocks running forward (None under no_grad).
+        self.hook_ctx: list[Optional[torch.autograd.graph.saved_tensors_hooks]] = []
+        # (ptr, version, dtype, shape, stride) -> (tensor, page): dedup within a block's forward.
+        self.current: dict[tuple, tuple[torch.Tensor, _Page]] = {}
+        self.keep_ptrs: set[int] = set()            # storages of the parameters: never paged
+        self.keep_shapes: set[tuple[int, ...]] = set()  # under autocast, weights' cast copies stay too
         self.paged_bytes = 0
         self.paged_tensors = 0
 
     # ---- hooks
-    def install(self):
+    def install(self) -> None:
         for blk in self.blocks:
             self.handles.append(blk.register_forward_pre_hook(self._enter))
             self.handles.append(blk.register_forward_hook(self._exit, always_call=True))
 
-    def remove(self):
+    def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        while self.hook_ctx:
-            self.hook_ctx.pop().__exit__(None, None, None)
+        while self.hook_ctx:  # only if a block's forward is still running (an exception)
+            ctx = self.hook_ctx.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
         self.current.clear()
 
-    def reset_stats(self):
+    def reset_stats(self) -> None:
         self.paged_bytes = self.paged_tensors = 0
 
     def _enter(self, module, args):

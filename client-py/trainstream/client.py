@@ -1,16 +1,21 @@
 """`trainstream.connect()`: a session with the local tsd."""
+from __future__ import annotations
+
 import dataclasses
 import os
 import re
+from typing import Any, Optional, Union
 
-from . import _C
+from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
 from .errors import FailedPrecondition
+
+Size = Union[int, str, None]  # bytes, or e.g. "8GiB"
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
 
 
-def parse_bytes(value):
+def parse_bytes(value: Size) -> int:
     """Bytes from an int or a string such as "8GiB", "512MiB", "1.5G" (as tsd's settings read them)."""
     if value is None:
         return 0
@@ -39,12 +44,14 @@ class Status:
     pid: int
 
     @property
-    def free_bytes(self):
+    def free_bytes(self) -> int:
         return max(0, self.pool_bytes - self.used_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
+    """One job of the daemon, as `Client.jobs()` reports it."""
+
     name: str
     uid: int
     sessions: int
@@ -57,7 +64,8 @@ class Client:
     """A connection to tsd, optionally attached to a job (a session). Use it as a context manager,
     or call `close()`: closing detaches, and a job is released with its last session."""
 
-    def __init__(self, socket=None, job=None, quota=None):
+    def __init__(self, socket: Optional[Union[str, os.PathLike]] = None, job: Optional[str] = None,
+                 quota: Size = None) -> None:
         path = socket if socket is not None else os.environ.get("TSD_SOCKET", "")
         self._c = _C.Client.connect(os.fspath(path))
         self._optimizer_registered = False
@@ -65,49 +73,54 @@ class Client:
             self.attach(job, quota)
 
     # ---- session
-    def attach(self, job, quota=None):
+    def attach(self, job: str, quota: Size = None) -> "Client":
         """Joins or creates `job`; `quota` (bytes or "8GiB") caps what it may hold (None: the
         daemon's maximum). Returns self."""
         self._c.attach(job, parse_bytes(quota))
         return self
 
-    def detach(self):
+    def detach(self) -> None:
+        """Leaves the job (the daemon releases it with its last session); the connection stays."""
         if self._c.attached:
             self._c.detach()
         self._optimizer_registered = False
 
-    def close(self):
+    def close(self) -> None:
+        """Detaches; the same as leaving the `with` block."""
         self.detach()
 
-    def __enter__(self):
+    def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
-        return False
 
     # ---- queries
-    def status(self):
+    def status(self) -> Status:
         """The daemon's pool: size, usage, jobs, sessions, whether it is locked in RAM."""
         return Status(**self._c.status())
 
-    def jobs(self):
+    def jobs(self) -> list[Job]:
+        """Every job the daemon holds (name, uid, sessions, bytes used and allowed, regions)."""
         return [Job(**j) for j in self._c.jobs()]
 
     @property
-    def socket_path(self):
+    def socket_path(self) -> str:
+        """The control socket this client connected to."""
         return self._c.socket_path
 
     @property
-    def attached(self):
+    def attached(self) -> bool:
         return self._c.attached
 
     @property
-    def job(self):
+    def job(self) -> Optional[str]:
+        """The job this client is attached to, or None."""
         return self._c.job if self._c.attached else None
 
     @property
-    def quota_bytes(self):
+    def quota_bytes(self) -> int:
+        """The attached job's quota in bytes."""
         return self._c.quota_bytes
 
     # ---- the optimizer engine (used by wrap())
@@ -118,12 +131,12 @@ class Client:
         self._optimizer_registered = True
         return handle
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = f"job={self.job!r}" if self.attached else "not attached"
         return f"<trainstream.Client {self.socket_path} {state}>"
 
 
-def connect(socket=None, job=None, quota=None):
+def connect(socket: Optional[Union[str, os.PathLike]] = None, job: Optional[str] = None, quota: Size = None) -> Client:
     """Connects to the local tsd and returns a `Client` (a context manager).
 
     `socket` defaults to $TSD_SOCKET, then tsd's default path (/run/tsd/tsd.sock as root, else

@@ -1,6 +1,9 @@
 """trainstream's exceptions: every error from tsd (or from the client library talking to it) is a
 `TsdError`, with the daemon's message and the gRPC status code it came with. Subclasses also derive
 from the matching built-in exception, so `except MemoryError` catches an exhausted pool too."""
+from __future__ import annotations
+
+from typing import NoReturn, Optional
 
 # gRPC / absl status codes (the same numbers on both).
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ALREADY_EXISTS = range(7)
@@ -11,9 +14,9 @@ UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS, UNAUTHENTICATED = range(12, 17)
 class TsdError(Exception):
     """An error reported by tsd or by the client library; `code` is the gRPC status code."""
 
-    code = UNKNOWN
+    code: int = UNKNOWN
 
-    def __init__(self, message, code=None):
+    def __init__(self, message: str, code: Optional[int] = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -77,10 +80,10 @@ _BY_CODE = {c.code: c for c in (DaemonUnavailable, InvalidRequest, QuotaExceeded
                                 AlreadyExists, FailedPrecondition, SessionClosed, Timeout)}
 
 
-def error_class(code):
+def error_class(code: int) -> type[TsdError]:
     """The exception class for a status code (used by the extension when it raises)."""
     return _BY_CODE.get(code, TsdError)
 
 
-def raise_for(code, message):
+def raise_for(code: int, message: str) -> NoReturn:
     raise error_class(code)(message, code)

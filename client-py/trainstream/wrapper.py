@@ -19,6 +19,8 @@ Hyperparameters come from `param_groups` (so LR schedulers work). Without clippi
 during backward, so the values are taken at the step's first gradient; `step()` checks that
 they did not change in between. With clipping, they are written at `step()`.
 """
+from __future__ import annotations
+
 import itertools
 import math
 import os
@@ -26,6 +28,7 @@ import socket
 import time
 import warnings
 import weakref
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -100,7 +103,9 @@ class Session:
         self.accumulation_steps = int(options["accumulation_steps"])
         self.offload = options["offload"]
         self.param_dtype = options.get("param_dtype")
-        self.pager = None  # ActivationPager with activation_offload=
+        self.pager: Optional[ActivationPager] = None  # with activation_offload=
+        self.moment_dtype = "float32"  # set by wrap()
+        self.state_bytes = 0
         self.events = []  # human-readable decisions, for logs and tests
         self.handle = None
         self.params = []      # _Param, by bucket
@@ -324,7 +329,7 @@ class TsdAdamW(torch.optim.Optimizer):
 
     # The offloaded optimizer's own state lives in the daemon; torch's `state` stays empty.
     @property
-    def offloading(self):
+    def offloading(self) -> bool:
         return self._inner is None
 
     def _check(self):
@@ -333,7 +338,7 @@ class TsdAdamW(torch.optim.Optimizer):
             raise TsdError("this optimizer's model was unwrapped; wrap it again to train it")
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -357,7 +362,7 @@ class TsdAdamW(torch.optim.Optimizer):
             _maybe_switch_to_stock(self)
         return loss
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits until the daemon has applied every delivered update."""
         if self._inner is None:
             self._session.idle()
@@ -367,7 +372,7 @@ class TsdAdamW(torch.optim.Optimizer):
         """Parameters in state_dict order (param_groups order), with their indices."""
         return [p for g in self.param_groups for p in g["params"]]
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         if self._inner is not None:
             return self._inner.state_dict()
         self._check()
@@ -385,7 +390,7 @@ class TsdAdamW(torch.optim.Optimizer):
         sd["state"] = dict(sorted(state.items()))
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._inner is not None:
             return self._inner.load_state_dict(state_dict)
         self._check()
@@ -423,7 +428,7 @@ class TsdAdamW(torch.optim.Optimizer):
                                      st["exp_avg_sq"].reshape(-1).cpu(), step)
         s.write_state(per_bucket, self.moment_dtype)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         mode = "offloaded to tsd" if self._inner is None else "switched to stock AdamW"
         return f"TsdAdamW({mode}, {len(self.param_groups)} groups, moments {self.moment_dtype})"
 
@@ -490,7 +495,7 @@ def _ranges(indices):
     return ", ".join(out)
 
 
-def unwrap_session(model):
+def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
     """The Session of a wrapped model (None when it is not wrapped)."""
     return getattr(model, "_trainstream_session", None)
 
@@ -577,7 +582,8 @@ def _plan_memory(client, numels, dtypes, ngroups, moment_dtype, accumulate, chec
     return moment_dtype, need[moment_dtype], avail
 
 
-def wrap(model, optimizer, device="cuda", client=None, **options):
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union[str, torch.device] = "cuda",
+         client: Optional[Client] = None, **options: Any) -> tuple[torch.nn.Module, TsdAdamW]:
     """Moves `optimizer`'s work into tsd. Returns (model, optimizer), the optimizer a
     torch.optim.Optimizer whose step() waits for the daemon's updates and copies them back.
 
@@ -688,11 +694,11 @@ def wrap(model, optimizer, device="cuda", client=None, **options):
                           f"{'working copies in ' + _DTYPE_NAMES[work] + ' on ' + str(device) + ', ' if work else ''}"
                           f"{_fmt(handle.state_bytes)} in tsd (job {client.job!r}, {_fmt(avail)} was available), "
                           f"AdamW on {handle.threads} daemon threads ({handle.isa})")
-    model._trainstream_session = session
+    setattr(model, "_trainstream_session", session)
     return model, wrapped
 
 
-def unwrap(model):
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Gives the model back with its (updated) parameters on its device, removes the hooks and
     releases the job's memory in tsd. The wrapped optimizer cannot step afterwards."""
     session = unwrap_session(model)

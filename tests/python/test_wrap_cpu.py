@@ -241,6 +241,11 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
         p.grad = None
     seq[1](seq[0](x)).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(paged, [p.grad for p in seq.parameters()] + [x.grad]))
+    pager.install()
+    with torch.no_grad():  # evaluation through a paged block: nothing is saved, nothing paged
+        seq[1](seq[0](x))
+    assert pager.paged_tensors == 2 and not pager.hook_ctx
+    pager.remove()
 
     class Twice(nn.Module):
         def __init__(self):
