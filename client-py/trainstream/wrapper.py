@@ -443,8 +443,7 @@ def _stock_fits(session, optimizer):
     peak = torch.cuda.max_memory_allocated(dev)
     extra = 0
     for ps in session.params:
-        n, now = ps.param.numel(), ps.param.element_size()
-        own = torch.empty((), dtype=ps.orig_dtype).element_size()
+        n, now, own = ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize
         extra += n * (own - now) + 3 * n * own  # param_dtype= undone, then grads + exp_avg + exp_avg_sq
     total = torch.cuda.get_device_properties(dev).total_memory
     try:
@@ -520,7 +519,7 @@ def _check_options(options):
     if pd is not None:
         pd = _PARAM_DTYPES.get(pd)
         if pd is None:
-            raise ValueError(f"param_dtype must be None, 'bfloat16' or 'float16' (or the torch dtypes), not "
+            raise ValueError(f"param_dtype must be None, 'bfloat16', 'float16' or 'float32' (or the torch dtypes), not "
                              f"{out['param_dtype']!r}")
         out["param_dtype"] = pd
     if int(out["accumulation_steps"]) < 1:
@@ -659,7 +658,6 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     session = Session(device, client, owns_client, opts)
     session.handle = handle
     session.moment_dtype = moment_dtype
-    session.param_dtype = work
     session.state_bytes = handle.state_bytes
     for b, (p, gi, index) in enumerate(buckets):
         ps = _Param(p, b, gi, index)
