@@ -3,6 +3,7 @@
 #include <sys/sysinfo.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -44,23 +45,27 @@ absl::Status ReadToml(const std::string& path, Config& c) {
       {"log_level", &c.log_level},
       {"metrics_listen", &c.metrics_listen},
   };
+  struct IntSetting {
+    const char* name;
+    int* field;
+    int64_t lo, hi;
+  };
+  const std::vector<IntSetting> ints = {
+      {"optimizer_threads", &c.optimizer_threads, 0, 4096},
+      {"optimizer_nice", &c.optimizer_nice, -20, 19},
+  };
   for (const auto& [key, node] : table) {
-    if (key.str() == "optimizer_threads") {
+    const auto int_setting = std::find_if(ints.begin(), ints.end(), [&](const IntSetting& s) {
+      return std::string(key.str()) == s.name;
+    });
+    if (int_setting != ints.end()) {
       const auto* i = node.as_integer();
-      if (i == nullptr || i->get() < 0 || i->get() > 4096) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "config file ", path, ": 'optimizer_threads' must be an integer in [0, 4096]"));
+      if (i == nullptr || i->get() < int_setting->lo || i->get() > int_setting->hi) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config file ", path, ": '", int_setting->name,
+                         "' must be an integer in [", int_setting->lo, ", ", int_setting->hi, "]"));
       }
-      c.optimizer_threads = static_cast<int>(i->get());
-      continue;
-    }
-    if (key.str() == "optimizer_nice") {
-      const auto* i = node.as_integer();
-      if (i == nullptr || i->get() < -20 || i->get() > 19) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "config file ", path, ": 'optimizer_nice' must be an integer in [-20, 19]"));
-      }
-      c.optimizer_nice = static_cast<int>(i->get());
+      *int_setting->field = static_cast<int>(i->get());
       continue;
     }
     if (key.str() == "pin_optimizer_threads") {
@@ -88,7 +93,8 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     if (!known) {
       std::vector<std::string> names;
       for (const auto& [name, field] : strings) names.push_back(name);
-      names.insert(names.end(), {"optimizer_threads", "pin_optimizer_threads", "optimizer_nice"});
+      for (const auto& s : ints) names.push_back(s.name);
+      names.push_back("pin_optimizer_threads");
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown setting '",
                                                      std::string(key.str()), "'; known are ",
                                                      absl::StrJoin(names, ", ")));
