@@ -4,7 +4,7 @@
 // and returns 0.
 #pragma once
 
-#include "daemon/config.h"
+#include "daemon/ops/config.h"
 
 namespace tsd {
 

@@ -1,9 +1,9 @@
 // tsd: the TrainStream daemon. See daemon/daemon.h for what it runs and `tsd --help` for flags.
 #include <iostream>
 
-#include "daemon/config.h"
+#include "daemon/ops/config.h"
 #include "daemon/daemon.h"
-#include "daemon/logging.h"
+#include "daemon/ops/logging.h"
 
 int main(int argc, char** argv) {
   auto loaded = tsd::LoadConfig(argc, argv);

@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/metrics.h"
+#include "daemon/ops/metrics.h"
 #include "proto/futex.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"

@@ -25,7 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/optimizer/worker_pool.h"
-#include "daemon/region.h"
+#include "daemon/memory/region.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/control_page.h"
 #include "proto/tsd.pb.h"

@@ -1,4 +1,4 @@
-#include "daemon/version.h"
+#include "daemon/ops/version.h"
 
 namespace tsd {
 const char* const kVersion = TSD_VERSION;

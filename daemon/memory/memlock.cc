@@ -1,4 +1,4 @@
-#include "daemon/memlock.h"
+#include "daemon/memory/memlock.h"
 
 #include <sys/resource.h>
 

@@ -1,4 +1,4 @@
-#include "daemon/region.h"
+#include "daemon/memory/region.h"
 
 #include <fcntl.h>
 #include <linux/falloc.h>

@@ -1,4 +1,4 @@
-#include "daemon/logging.h"
+#include "daemon/ops/logging.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

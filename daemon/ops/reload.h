@@ -14,8 +14,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "daemon/config.h"
-#include "daemon/registry.h"
+#include "daemon/ops/config.h"
+#include "daemon/jobs/registry.h"
 
 namespace tsd {
 

@@ -1,4 +1,4 @@
-#include "daemon/metrics.h"
+#include "daemon/ops/metrics.h"
 
 #include <exception>
 #include <set>
@@ -14,8 +14,8 @@
 #include <prometheus/text_serializer.h>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/registry.h"
-#include "daemon/version.h"
+#include "daemon/jobs/registry.h"
+#include "daemon/ops/version.h"
 
 namespace tsd {
 namespace {

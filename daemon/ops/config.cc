@@ -1,4 +1,4 @@
-#include "daemon/config.h"
+#include "daemon/ops/config.h"
 
 #include <sys/sysinfo.h>
 #include <unistd.h>
@@ -18,7 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/version.h"
+#include "daemon/ops/version.h"
 #include "proto/wire.h"
 
 namespace tsd {

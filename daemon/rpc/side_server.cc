@@ -1,4 +1,4 @@
-#include "daemon/side_server.h"
+#include "daemon/rpc/side_server.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "daemon/registry.h"
+#include "daemon/jobs/registry.h"
 #include "proto/tsd.grpc.pb.h"
 
 namespace tsd {

@@ -1,11 +1,11 @@
-#include "daemon/reload.h"
+#include "daemon/ops/reload.h"
 
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/logging.h"
-#include "daemon/memlock.h"
+#include "daemon/ops/logging.h"
+#include "daemon/memory/memlock.h"
 #include "proto/wire.h"
 
 namespace tsd {

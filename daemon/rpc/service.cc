@@ -1,8 +1,8 @@
-#include "daemon/service.h"
+#include "daemon/rpc/service.h"
 
 #include <unistd.h>
 
-#include "daemon/version.h"
+#include "daemon/ops/version.h"
 #include "proto/status_convert.h"
 
 namespace tsd {

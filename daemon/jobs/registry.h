@@ -28,7 +28,7 @@
 #include "absl/time/time.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
-#include "daemon/region.h"
+#include "daemon/memory/region.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
 
@@ -107,7 +107,7 @@ class Registry final {
   PoolSnapshot Snapshot() const;
   std::vector<v1::JobInfo> Jobs() const;
 
-  // --- Live reload and metrics (daemon/reload.cc, daemon/metrics.cc) ---------------------------
+  // --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) ---------------------------
   // A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change (Reconfigure).
   RegistryOptions options() const;
   // Applies a reloaded configuration, all or nothing. A pool smaller than what jobs hold now is

@@ -1,4 +1,4 @@
-#include "daemon/registry.h"
+#include "daemon/jobs/registry.h"
 
 #include <fcntl.h>
 #include <sys/random.h>
@@ -538,7 +538,7 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
 
 }  // namespace tsd
 
-// --- Live reload and metrics (daemon/reload.cc, daemon/metrics.cc) -----------------------------
+// --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) -----------------------------
 namespace tsd {
 
 RegistryOptions Registry::options() const {

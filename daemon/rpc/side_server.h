@@ -19,7 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "daemon/registry.h"
+#include "daemon/jobs/registry.h"
 
 namespace tsd {
 

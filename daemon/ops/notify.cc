@@ -1,4 +1,4 @@
-#include "daemon/notify.h"
+#include "daemon/ops/notify.h"
 
 #include <sys/socket.h>
 #include <sys/un.h>
