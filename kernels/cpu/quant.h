@@ -38,23 +38,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/adamw.h"  // DType, Isa, BestIsa, IsaSupported
+#include "kernels/cpu/quant_format.h"
 
 namespace tsd::kernels {
-
-// A quantized format.
-enum class QuantKind : uint8_t {
-  kNf4 = 0,   // 4-bit NormalFloat, bitsandbytes' layout (no double quantization)
-  kInt8 = 1,  // symmetric int8, TrainStream's format
-};
 
 // "nf4" or "int8" ("unknown" for other values).
 const char* QuantKindName(QuantKind kind);
 
 // Parses "nf4" / "int8"; anything else is InvalidArgument naming the accepted kinds.
 absl::StatusOr<QuantKind> ParseQuantKind(std::string_view name);
-
-// Default block size of TrainStream (and bitsandbytes' default for 4-bit).
-inline constexpr int64_t kDefaultQuantBlockSize = 64;
 
 // OK when `n` elements can be quantized with `block_size`: n >= 0, block_size >= 1, and for NF4
 // block_size even. Otherwise InvalidArgument saying what was wrong.
@@ -111,41 +103,6 @@ absl::Status DequantizeBlocks(const ConstQuantizedView& in, void* output, DType 
 // ---------------------------------------------------------------------------------------------
 // Tables and per-ISA entry points shared by the translation units (and the tests).
 namespace detail {
-
-// bitsandbytes' 16 NF4 code values (as the fp32 values of its decimal literals), ascending;
-// index 7 is 0.0.
-inline constexpr float kNf4Values[16] = {
-    -1.0f,
-    -0.6961928009986877f,
-    -0.5250730514526367f,
-    -0.39491748809814453f,
-    -0.28444138169288635f,
-    -0.18477343022823334f,
-    -0.09105003625154495f,
-    0.0f,
-    0.07958029955625534f,
-    0.16093020141124725f,
-    0.24611230194568634f,
-    0.33791524171829224f,
-    0.44070982933044434f,
-    0.5626170039176941f,
-    0.7229568362236023f,
-    1.0f,
-};
-
-// The code of 0.0.
-inline constexpr uint8_t kNf4ZeroCode = 7;
-
-// Midpoint k (0..14) between code values k and k+1, computed in fp32 as (a + b) / 2.
-constexpr float Nf4Midpoint(int k) { return (kNf4Values[k] + kNf4Values[k + 1]) / 2.0f; }
-
-// The 15 midpoints, ascending, then +Inf as a 16th entry (so tables of 16 lanes can be used).
-inline constexpr float kNf4Midpoints[16] = {
-    Nf4Midpoint(0),  Nf4Midpoint(1),  Nf4Midpoint(2),  Nf4Midpoint(3),
-    Nf4Midpoint(4),  Nf4Midpoint(5),  Nf4Midpoint(6),  Nf4Midpoint(7),
-    Nf4Midpoint(8),  Nf4Midpoint(9),  Nf4Midpoint(10), Nf4Midpoint(11),
-    Nf4Midpoint(12), Nf4Midpoint(13), Nf4Midpoint(14), __builtin_inff(),
-};
 
 // Per-ISA kernels. Quantize*: `input` points at the first element of a block, n > 0 elements
 // follow (every one finite: the caller checked), `codes` at that block's first code byte,
