@@ -69,7 +69,10 @@ def new_run_id() -> str:
 
 
 def git_commit(root: str = ROOT) -> tuple[Optional[str], Optional[bool]]:
-    """(HEAD's commit, whether the tracked files differ from it), or (None, None) outside git."""
+    """(HEAD's commit, whether the tracked files differ from it), or (None, None) outside git.
+    $TSD_BENCH_COMMIT names the commit where the tree was copied without its .git (a GPU machine)."""
+    if os.environ.get("TSD_BENCH_COMMIT"):
+        return os.environ["TSD_BENCH_COMMIT"], None
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:

@@ -6,8 +6,8 @@ by hand.
     python3 bench/report.py --check      exit 1, with a diff, if the docs differ from what the results give
     python3 bench/report.py --list       the runs in the results files
 
-The docs keep hand-written prose; what is generated sits between markers that name a block and
-say what it shows:
+The docs keep hand-written prose; what is generated sits between markers (each at the start of
+a line) that name a block and say what it shows:
 
     <!-- report:NAME kind=modes benchmark=finetune arch=qwen1.5b batch=8 ratio=step:fsdp2_offload -->
     ...generated, rewritten on every run...
@@ -17,7 +17,8 @@ Kinds (attributes; any attribute not listed is a filter on the records' workload
   modes   one row per mode of one run: `run=RUN_ID|latest` (default latest: the newest run that
           matches the filters and holds every mode of `modes=`), `modes=a,b,c` (rows, in order),
           `cols=step,vram,...` (aliases below or values' keys), `ratio=COL:REFMODE` (repeatable),
-          `target=MODE:COL:REFMODE<=X` (repeatable), `howto="command"` (shown while no run matches)
+          `target=MODE:COL:REFMODE<=X` (repeatable), `howto="command"` (shown while no run matches),
+          `header=short` (name the run without repeating its command, for a second table of it)
   runs    one row per matching run and mode, oldest first (a sweep over settings): `by=KEY,...`
           (workload keys shown beside the run), `modes=`, `cols=`
   raw     the benchmark's own output lines of one run (`run=`, filters)
@@ -72,10 +73,10 @@ LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "lora_stock": "stock peft LoRA r=16", "ds_offload": "DeepSpeed ZeRO-2, offload_optimizer=cpu",
           "torchao_offload": "torchao CPUOffloadOptimizer"}
 DEFAULT_COLS = "step,vram,vram_device,host,tsd"
-KNOWN_ATTRS = {"kind", "benchmark", "run", "modes", "cols", "ratio", "target", "howto", "img", "title", "by"}
-BLOCK = re.compile(r"<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
-                   re.S)
-OPEN = re.compile(r"<!-- report:([A-Za-z0-9_.-]+)")
+KNOWN_ATTRS = {"kind", "benchmark", "run", "modes", "cols", "ratio", "target", "howto", "img", "title", "by", "header"}
+BLOCK = re.compile(r"^<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
+                   re.S | re.M)
+OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_.-]+)", re.M)
 KINDS = ("modes", "runs", "raw", "plot")
 TARGET = re.compile(r"^([^:]+):([^:]+):([^:<>=]+)(<=|>=)([0-9.]+)$")
 
@@ -136,19 +137,19 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
+FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}",
+           "paged_gib_per_step": "{:.2f}"}
+SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
+                  ("_s", "{:.3f}"), ("_us", "{:.3g}"))
+
+
 def fmt_value(key: str, v: Any) -> str:
+    """A figure as the tables print it: the precision follows the key's unit."""
     if v is None:
         return "—"
-    if key.endswith("_gib") or key.endswith("gb_per_s"):
-        return f"{v:.1f}"
-    if key.endswith("_ms"):
-        return f"{v:.0f}"
-    if key.endswith("_s_median") or key.endswith("_s"):
-        return f"{v:.3f}"
-    if key.endswith("_us"):
-        return f"{v:.3g}"
-    if key in ("gparam_per_s", "bound_gparam_per_s", "share_of_bound"):
-        return f"{v:.2f}"
+    fmt = FORMATS.get(key) or next((f for suffix, f in SUFFIX_FORMATS if key.endswith(suffix)), None)
+    if fmt is not None:
+        return fmt.format(v)
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
@@ -337,7 +338,8 @@ def render_modes(block: Block, records: list[dict[str, Any]]) -> str:
         else:
             verdict = f"{'met' if met else 'not met'} (margin {r.margin:.0%}, {r.runs[0]} and {r.runs[1]} runs)"
         notes.append(f"Target {what}: {r.value:.2f}, {verdict}.")
-    out = run_header(run) + "\n" + "\n".join(lines) + "\n"
+    head_text = f"Run `{run[0]['run_id']}` (above).\n" if block.get("header") == "short" else run_header(run)
+    out = head_text + "\n" + "\n".join(lines) + "\n"
     if notes:
         out += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     return out
@@ -363,8 +365,9 @@ def render_runs(block: Block, records: list[dict[str, Any]]) -> str:
         commands.append(f"- `{recs[0]['run_id']}`: `{recs[0]['command']}`")
         for mode in dict.fromkeys(r["mode"] for r in sorted(recs, key=lambda r: r["order"])):
             ok = [r for r in recs if r["mode"] == mode and r["status"] == "ok"]
-            row = [f"`{recs[0]['run_id']}`", f"`{mode}`"] + [
-                cell(str(recs[0]["workload"].get(k, "—")) or "(none)") for k in by] + [str(len(ok))]
+            first = next(r for r in recs if r["mode"] == mode)
+            row = [f"`{first['run_id']}`", f"`{mode}`"] + [
+                cell(str(first["workload"].get(k, "—")) or "(none)") for k in by] + [str(len(ok))]
             for c in cols:
                 if c == "note":
                     row.append(cell("; ".join(dict.fromkeys(r["note"] for r in ok if r.get("note")))))
@@ -464,7 +467,7 @@ def write_plot(plot: Plot) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.set_xlabel("VRAM budget GiB (the cap, or the measured peak where uncapped)")
     ax.set_ylabel("s/step (median)")
-    ax.set_title(plot.title)
+    ax.set_title(plot.title, fontsize=10)
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
