@@ -373,9 +373,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             daemon.terminate()
             daemon.wait(30)
     records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
+    ratios = [f"step:{m}" for m in ("fsdp2_offload", "ds_offload", "torchao_offload", "stock") if m in a.modes_list]
+    ratios += ["vram:stock"] if "stock" in a.modes_list else []
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
-        a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"]} | (
-        {"ratio": ["step:fsdp2_offload", "vram:stock"]} if a.device == "cuda" else {}), 0)
+        a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
           f"{a.repeats} round(s); recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))
