@@ -145,9 +145,9 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
     moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
     activation_offload = a.activation_offload if a.mode.endswith("_act") else False
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
+    stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora
-    model, opt = trainstream.wrap(model, opt, device=a.device, socket=a.socket, offload=True,
+    model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
                                   moment_dtype=moment_dtype, param_dtype=param_dtype,
                                   activation_offload=activation_offload, max_grad_norm=a.clip or None)
     session = trainstream.unwrap_session(model)

@@ -173,7 +173,7 @@ def matches(rec: dict[str, Any], benchmark: str, filters: dict[str, str]) -> boo
     return True
 
 
-def run_key(recs: list[dict[str, Any]]) -> tuple[str, str]:
+def run_key(recs: Any) -> tuple[str, str]:
     """Orders runs by time (transcribed runs, without a time, first), then by id."""
     return (max((r.get("time_utc") or "") for r in recs), recs[0]["run_id"])
 
@@ -520,8 +520,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"report.py: {a.docs} differs from what bench/results gives: figures are generated, not typed; "
                   f"run python3 bench/report.py", file=sys.stderr)
         missing = [p.path for p in plots if not os.path.exists(p.path)]
-        for p in missing:
-            print(f"report.py: {p} is missing: run python3 bench/report.py (needs matplotlib)", file=sys.stderr)
+        for path in missing:
+            print(f"report.py: {path} is missing: run python3 bench/report.py (needs matplotlib)", file=sys.stderr)
         return 1 if stale or missing else 0
     if new != doc:
         with open(a.docs, "w") as f:
