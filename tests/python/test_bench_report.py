@@ -191,3 +191,36 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert skipped["mode"] == "stock" and skipped["status"] == "skipped" and "needs a GPU" in skipped["reason"]
     assert ok["run_id"] == skipped["run_id"] and (ok["order"], skipped["order"]) == (0, 1)
     assert "| `tsd`" in out.stdout  # the run's table, printed at the end
+
+
+def test_peer_output_becomes_values_and_a_missing_package_a_skip():
+    """The GPU path's parsing, on the lines peers.py and offload_peers.py print."""
+    run = benchlib.ChildRun()
+    run.stdout = 'loading\n@@{"mode": "ds_offload", "params": 10, "step_s_median": 1.08, "steps": [3.0, 1.1, 1.08], ' \
+                 '"peak_gib": 21.4, "clip": 1.0, "grad_norms": [6.5, 6.4], "peak_rss_gib": 30.0}\n'
+    run.rss_peak_bytes, run.device_baseline, run.device_peak = 2 << 30, 1 << 30, 25 << 30
+    status, reason, values, raw = finetune_bench.outcome(run)
+    assert (status, reason, raw["mode"]) == ("ok", None, "ds_offload")
+    assert values["step_s_median"] == 1.08 and values["step_s"] == [3.0, 1.1, 1.08]
+    assert values["vram_torch_peak_gib"] == 21.4 and values["vram_device_peak_gib"] == 24.0
+    assert values["rss_peak_gib"] == 2.0 and values["grad_norms"] == [6.5, 6.4]
+    gone = benchlib.ChildRun()
+    gone.returncode, gone.stderr = 1, "Traceback ...\nModuleNotFoundError: No module named 'deepspeed'\n"
+    assert finetune_bench.outcome(gone)[:2] == ("skipped", "deepspeed is not installed")
+    broke = benchlib.ChildRun()
+    broke.returncode, broke.stderr = 1, "Traceback ...\nRuntimeError: CUDA out of memory\n"
+    assert finetune_bench.outcome(broke)[:2] == ("failed", "Traceback ...\nRuntimeError: CUDA out of memory")
+
+
+def test_peers_get_the_same_workload_and_clipping():
+    a = finetune_bench.parse_args(["--clip", "1.0", "--cap-gib", "32", "--batch", "4"])
+    a.peers, a.offload_peers, a.socket = "/p/peers.py", "/p/offload_peers.py", "/s"
+    stock = finetune_bench.child_argv("stock", a)
+    assert stock[1:3] == ["/p/peers.py", "stock"] and stock[-4:] == ["--clip", "1.0", "--cap-gib", "32.0"]
+    assert "--batch" in stock and stock[stock.index("--batch") + 1] == "4"
+    ds = finetune_bench.child_argv("ds_offload", a)  # offload_peers.py has no --cap-gib: capped by the launcher
+    assert ds[2:5] == ["--run-capped", "32.0", "/p/offload_peers.py"] and ds[-2:] == ["--clip", "1.0"]
+    tsd = finetune_bench.child_argv("tsd_bf16_act", a)
+    assert tsd[2:4] == ["--mode", "tsd_bf16_act"] and tsd[tsd.index("--clip") + 1] == "1.0"
+    with pytest.raises(SystemExit):
+        finetune_bench.parse_args(["--modes", "tsd,nonsense"])
