@@ -224,3 +224,14 @@ def test_peers_get_the_same_workload_and_clipping():
     assert tsd[2:4] == ["--mode", "tsd_bf16_act"] and tsd[tsd.index("--clip") + 1] == "1.0"
     with pytest.raises(SystemExit):
         finetune_bench.parse_args(["--modes", "tsd,nonsense"])
+
+
+def test_transcribed_runs_say_so():
+    """The figures typed by hand before the pipeline are marked as such, with the page they came from."""
+    records = benchlib.read_results_dir(RESULTS)
+    stop7 = [r for r in records if r["run_id"].startswith("stop7-")]
+    assert stop7
+    for r in stop7:
+        assert r["source"] == "transcribed from docs/benchmarks.md before the pipeline (stop 7)"
+        assert r["transcribed_at"] and r["time_utc"] is None and r["commit"] is None
+    assert all(r["source"] == "measured" for r in records if not r["run_id"].startswith("stop7-"))
