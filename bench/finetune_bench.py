@@ -1,210 +1,387 @@
-"""Fine-tuning through tsd against its peers, on the same workloads (for docs/benchmarks.md).
+"""Fine-tuning through tsd against its peers, on the same workloads, into the benchmark pipeline
+(bench/results/finetune.jsonl; bench/report.py makes docs/benchmarks.md from it).
 
-Runs, each in its own process so peaks do not mix:
+Modes, each run in its own process so peaks do not mix:
   tsd         full fine-tune, fp32 weights on the GPU, bf16 autocast; AdamW in tsd (trainstream.wrap, offload=True)
   tsd_bf16    the same with param_dtype=torch.bfloat16: bf16 working copies on the GPU, fp32 masters in tsd
               (what FSDP2's MixedPrecisionPolicy(param_dtype=bf16) does), bf16 autocast kept
   tsd_bf16m   tsd_bf16 with bf16 moments (stochastic rounding) instead of --moment-dtype
   tsd_bf16_act, tsd_bf16m_act   those with activation_offload=--activation-offload (a share of the
-              decoder layers whose saved activations are paged to pinned host memory)
+              decoder layers whose saved activations are paged to host memory)
   tsd_lora    peft LoRA r=16 on a bf16 base; the LoRA parameters' AdamW in tsd
-and the peers of shared/bench/peers.py (stock fused AdamW in VRAM, FSDP2 + CPUOffloadPolicy,
-stock LoRA). Models come from a config with random weights (no download).
+  stock, fsdp2_offload, lora_stock     the peers of shared/bench/peers.py (fused AdamW in VRAM,
+              FSDP2 + CPUOffloadPolicy, stock LoRA)
+  ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
+              with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
+Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
+--clip 0 turns it off). Models come from a config with random weights (no download); `--arch tiny`
+is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, tsd modes only).
 
-    python3 bench/finetune_bench.py [--arch qwen1.5b] [--batch 8] [--seq 512] [--steps 6]
-                                    [--modes tsd,stock,fsdp2_offload] [--socket PATH] [--pool-size 96GiB]
-                                    [--peers PATH/TO/peers.py]
+    python3 bench/finetune_bench.py [--arch qwen1.5b] [--batch 8] [--seq 512] [--steps 6] [--clip 1.0]
+        [--modes tsd_bf16_act,stock,fsdp2_offload,ds_offload,torchao_offload] [--repeats 3] [--once stock]
+        [--cap-gib N] [--socket PATH | --pool-size 96GiB --daemon-args "..."] [--peers DIR] [--results FILE]
 
-Without --socket it starts build/bin/tsd on a private socket with --pool-size (plus --daemon-args).
-Prints one @@{json} line per mode and a table at the end: step time (median of steps 3+), peak VRAM,
-the process's peak RSS (os.wait4; for tsd modes it includes the slots of tsd's regions the client
-maps), the bytes tsd holds for the job, and for tsd modes where a step's time goes (GPU time of
-forward and backward from CUDA events, the wall time step() waits for the daemon's last update).
-Needs a GPU, transformers (and peft for the LoRA modes).
+--repeats N runs every mode N times, interleaved (A B C A B C ...), so a ratio can be the median of
+N runs; --once names modes run only in the first round. A peer that is not installed (or a mode
+that needs a GPU on --device cpu) is recorded as skipped with the reason. Without --socket it starts
+build/bin/tsd (--tsd-bin) on a private socket with --pool-size. Each measured run becomes one record:
+step times (median of steps 3+), peak VRAM from torch (max_memory_allocated) and for the whole
+device (NVML, sampled, less what was in use before), host memory as PSS of the trainer plus tsd
+(sampled; tsd's regions counted once) beside tsd's own used_bytes, peak RSS (wait4), and for tsd
+modes where a step's time goes (GPU forward and backward from CUDA events, the wall time step()
+waits for the daemon). A table of this run is printed at the end.
 """
+from __future__ import annotations
+
 import argparse
+import importlib.util
 import json
 import os
+import re
+import runpy
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402
+
+TSD_MODES = ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act", "tsd_lora")
 PEER_MODES = ("stock", "fsdp2_offload", "lora_stock")
+OFFLOAD_MODES = ("ds_offload", "torchao_offload")
+ALL_MODES = TSD_MODES + PEER_MODES + OFFLOAD_MODES
+NEEDS = {"tsd_lora": ("peft",), "lora_stock": ("peft",), "ds_offload": ("deepspeed",), "torchao_offload": ("torchao",)}
+# What each mode keeps in which precision (the workload's dtype).
+DTYPES = {"tsd": "fp32 weights, bf16 autocast", "tsd_bf16": "bf16 weights, fp32 masters in tsd, bf16 autocast",
+          "tsd_bf16m": "bf16 weights, fp32 masters in tsd, bf16 autocast",
+          "tsd_bf16_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
+          "tsd_bf16m_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
+          "tsd_lora": "bf16 base, LoRA in tsd", "stock": "fp32 weights, bf16 autocast",
+          "fsdp2_offload": "fp32 sharded weights on the CPU, bf16 compute (MixedPrecisionPolicy)",
+          "lora_stock": "bf16 base, LoRA in fp32", "ds_offload": "bf16 weights, fp32 master and moments on the CPU",
+          "torchao_offload": "fp32 weights, bf16 autocast, fp32 moments on the CPU"}
+TINY = "tiny"
 
 
-def find_peers(path):
-    for p in (path, os.path.join(ROOT, "..", "shared", "bench", "peers.py"), "/work/shared/bench/peers.py"):
-        if p and os.path.exists(p):
+def schedule(modes: list[str], repeats: int, once: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """The order of the runs: every mode in every round, interleaved (A B C A B C ...); the modes
+    in `once` only in the first round."""
+    return [(r, m) for r in range(repeats) for m in modes if r == 0 or m not in once]
+
+
+def find_script(name: str, given: Optional[str]) -> Optional[str]:
+    """A peer script: in --peers (a folder, or peers.py itself), ../shared/bench, .devdeps."""
+    dirs = []
+    if given:
+        dirs.append(given if os.path.isdir(given) else os.path.dirname(os.path.abspath(given)))
+    dirs += [os.path.join(ROOT, "..", "shared", "bench"), "/work/shared/bench", os.path.join(ROOT, ".devdeps")]
+    for d in dirs:
+        p = os.path.join(d, name)
+        if os.path.exists(p):
             return os.path.abspath(p)
-    sys.exit("finetune_bench: peers.py not found; pass --peers")
+    return None
 
 
-def run_tsd_mode(a):
-    """One tsd mode in this process; prints @@{json} like peers.py does."""
-    import importlib.util
+def skip_reason(mode: str, a: argparse.Namespace) -> Optional[str]:
+    """Why `mode` cannot run here (None if it can): a missing package or script, or no GPU."""
+    if a.device == "cpu" and mode not in ("tsd", "tsd_bf16", "tsd_bf16m"):
+        return "needs a GPU (this run is --device cpu)"
+    if a.arch == TINY and mode not in TSD_MODES:
+        return "the peers run the Qwen architectures of peers.py, not --arch tiny"
+    if mode in PEER_MODES and not a.peers:
+        return "peers.py not found: pass --peers (shared/bench)"
+    if mode in OFFLOAD_MODES and not a.offload_peers:
+        return "offload_peers.py not found: pass --peers (the folder holding it)"
+    if a.arch != TINY and importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    for pkg in NEEDS.get(mode, ()):
+        if importlib.util.find_spec(pkg) is None:
+            return f"{pkg} is not installed"
+    if mode in TSD_MODES and importlib.util.find_spec("trainstream") is None:
+        return "trainstream is not installed (pip install ./client-py)"
+    return None
 
+
+def build_model(a: argparse.Namespace, lora: bool) -> tuple[Any, int]:
+    """The model of --arch with random weights (seed 0), and its vocabulary size."""
     import torch
-    import trainstream
+
+    torch.manual_seed(0)
+    if a.arch == TINY:
+        from tiny_lm import TINY as cfg, TinyCausalLM
+
+        return TinyCausalLM(**cfg), cfg["vocab_size"]
+    spec = importlib.util.spec_from_file_location("peers", a.peers)
+    peers = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(peers)  # type: ignore[union-attr]
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    spec = importlib.util.spec_from_file_location("peers", a.peers)
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
-    torch.manual_seed(0)
+    cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])
+    model = Qwen2ForCausalLM(cfg)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(
+            r=16, lora_alpha=32, task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model, cfg.vocab_size
+
+
+def run_tsd_mode(a: argparse.Namespace) -> None:
+    """One tsd mode in this process; prints @@{json} like peers.py does."""
+    import torch
+    import trainstream
+
+    cuda = a.device == "cuda"
     if a.cap_gib:
         torch.cuda.set_per_process_memory_fraction(a.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
-    cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])
     t0 = time.time()
-    param_dtype = None
-    moment_dtype = a.moment_dtype
+    lora = a.mode == "tsd_lora"
+    model, vocab = build_model(a, lora)
+    model = model.to(a.device)
+    param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
+    moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
     activation_offload = a.activation_offload if a.mode.endswith("_act") else False
-    if a.mode in ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act"):
-        model = Qwen2ForCausalLM(cfg).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        autocast = True
-        if a.mode != "tsd":
-            param_dtype = torch.bfloat16
-        if a.mode.startswith("tsd_bf16m"):
-            moment_dtype = "bfloat16"
-    else:
-        import peft
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16).cuda()
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM",
-                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        autocast = False
-    model, opt = trainstream.wrap(model, opt, device="cuda", socket=a.socket, offload=True,
+    stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
+    autocast = cuda and not lora
+    model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
                                   moment_dtype=moment_dtype, param_dtype=param_dtype,
-                                  activation_offload=activation_offload)
+                                  activation_offload=activation_offload, max_grad_norm=a.clip or None)
     session = trainstream.unwrap_session(model)
     setup_s = time.time() - t0
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device="cuda")
+    ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
-    torch.cuda.reset_peak_memory_stats()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for _ in range(a.steps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
-        ev[0].record()
+        if cuda:
+            ev[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
-        ev[1].record()
+        if cuda:
+            ev[1].record()
+        tb = time.perf_counter()
         loss.backward()
-        ev[2].record()
+        if cuda:
+            ev[2].record()
         ts = time.perf_counter()
         opt.step()
         step_ms.append((time.perf_counter() - ts) * 1e3)
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t)
-        fwd_ms.append(ev[0].elapsed_time(ev[1]))
-        bwd_ms.append(ev[1].elapsed_time(ev[2]))
-    med = sorted(times[2:])[len(times[2:]) // 2]
+        if cuda:
+            fwd_ms.append(ev[0].elapsed_time(ev[1]))
+            bwd_ms.append(ev[1].elapsed_time(ev[2]))
+        else:  # wall time: the CPU runs forward and backward synchronously
+            fwd_ms.append((tb - t) * 1e3)
+            bwd_ms.append((ts - tb) * 1e3)
 
-    def median(xs):
-        return sorted(xs[2:])[len(xs[2:]) // 2]
+    def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count) as peers.py takes it
+        tail = xs[2:] or xs
+        return sorted(tail)[len(tail) // 2]
 
     with trainstream.connect(socket=a.socket) as c:
-        held = next(j for j in c.jobs() if j.name == session.client.job).used_bytes
-    print("@@" + json.dumps(dict(mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()),
-                                 batch=a.batch, seq=a.seq, step_s_median=med, steps=times,
-                                 peak_gib=torch.cuda.max_memory_allocated() / 2**30, tsd_gib=held / 2**30,
-                                 setup_s=setup_s, loss=loss.item(), moments=opt.moment_dtype,
-                                 param_dtype=str(param_dtype), activation_offload=activation_offload,
-                                 paged_gib_per_step=(session.pager.paged_bytes / a.steps / 2**30
-                                                     if session.pager is not None else 0.0),
-                                 gpu_forward_ms=median(fwd_ms),
-                                 gpu_backward_ms=median(bwd_ms), step_call_ms=median(step_ms),
-                                 isa=session.handle.isa, threads=session.handle.threads)), flush=True)
+        job = getattr(getattr(session, "client", None), "job", None)
+        held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
+    pager = getattr(session, "pager", None)
+    handle = getattr(session, "handle", None)
+    print("@@" + json.dumps(dict(
+        mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()), batch=a.batch, seq=a.seq,
+        clip=a.clip, step_s_median=med(times), steps=times,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
+        setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
+        param_dtype=str(param_dtype), activation_offload=activation_offload,
+        paged_gib_per_step=(pager.paged_bytes / a.steps / 2**30 if pager is not None else 0.0),
+        gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
+        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None))), flush=True)
     trainstream.unwrap(model)
 
 
-def run_child(args):
-    """Runs one mode in a child process; its result with the child's peak RSS (from wait4)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(args, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("@@")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (stderr or stdout)[-2000:]}
-    r = json.loads(lines[-1][2:])
-    r["peak_rss_gib"] = usage.ru_maxrss * 1024 / 2**30
-    return r
+def run_capped() -> None:
+    """Internal: `--run-capped GIB SCRIPT ARGS...` runs SCRIPT as __main__ under a VRAM cap (for
+    offload_peers.py, which has no --cap-gib of its own)."""
+    import torch
+
+    cap, script, rest = float(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    torch.cuda.set_per_process_memory_fraction(cap * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    sys.argv = [script, *rest]
+    runpy.run_path(script, run_name="__main__")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="qwen1.5b")
+def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
+    common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
+    clip = ["--clip", str(a.clip)] if a.clip else []
+    if mode in PEER_MODES:
+        return [sys.executable, a.peers, mode, *common, *clip, *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
+    if mode in OFFLOAD_MODES:
+        if a.cap_gib:
+            return [sys.executable, os.path.abspath(__file__), "--run-capped", str(a.cap_gib), a.offload_peers, mode,
+                    *common, *clip]
+        return [sys.executable, a.offload_peers, mode, *common, *clip]
+    return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket, "--device", a.device,
+            "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
+            "--clip", str(a.clip), *common, *(["--peers", a.peers] if a.peers else []),
+            *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
+
+
+def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
+                         "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
+                         "clip": a.clip, "vram_cap_gib": a.cap_gib}
+    if mode in TSD_MODES:
+        w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
+                 activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
+                 tsd_threads=raw.get("threads"), daemon_args=a.daemon_args)
+    return w
+
+
+VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "vram_torch_peak_gib",
+              "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
+              "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
+              "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms"}
+
+
+def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:
+    """(status, reason, values, raw line) of a finished child."""
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("@@")]
+    if run.returncode != 0 or not lines:
+        text = (run.stderr or run.stdout or f"exit status {run.returncode}").strip()
+        missing = re.findall(r"ModuleNotFoundError: No module named '([^']+)'", text)
+        if missing:
+            return "skipped", f"{missing[-1]} is not installed", {}, {}
+        return "failed", text[-1500:], {}, {}
+    raw = json.loads(lines[-1][2:])
+    values = {VALUE_KEYS[k]: v for k, v in raw.items() if k in VALUE_KEYS and v is not None}
+    values.update(run.values())
+    return "ok", None, values, raw
+
+
+def start_daemon(a: argparse.Namespace) -> subprocess.Popen[bytes]:
+    import trainstream
+
+    binary = a.tsd_bin or os.environ.get("TSD_BIN") or os.path.join(ROOT, "build", "bin", "tsd")
+    if not os.path.exists(binary):
+        sys.exit(f"finetune_bench: no tsd at {binary}: build it (scripts/build.sh) or pass --tsd-bin/--socket")
+    a.socket = os.path.join(tempfile.mkdtemp(prefix="tsd-bench-"), "tsd.sock")
+    daemon = subprocess.Popen([binary, "--socket", a.socket, "--pool-size", a.pool_size, "--metrics-listen", "",
+                               *a.daemon_args.split()], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        try:
+            trainstream.connect(socket=a.socket).close()
+            return daemon
+        except trainstream.DaemonUnavailable:
+            if daemon.poll() is not None:
+                break
+            time.sleep(0.1)
+    daemon.kill()
+    sys.exit(f"finetune_bench: tsd did not start (exit status {daemon.poll()}); run {binary} --help")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen1.5b", help="an architecture of peers.py (qwen0.5b ... qwen32b), or tiny")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--cap-gib", type=float, default=0)
-    ap.add_argument("--modes", default="tsd,stock,fsdp2_offload")
+    ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm for every mode (default 1.0; 0 turns it off)")
+    ap.add_argument("--cap-gib", type=float, default=0, help="VRAM cap for every mode (set_per_process_memory_fraction)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: tsd modes only, for a smoke run")
+    ap.add_argument("--modes", default="tsd_bf16_act,stock,fsdp2_offload,ds_offload,torchao_offload")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of all modes, interleaved (3 for a ratio within 10%%)")
+    ap.add_argument("--once", default="", help="modes run only in the first round (e.g. stock, for its peak VRAM)")
     ap.add_argument("--moment-dtype", default="auto")
     ap.add_argument("--activation-offload", type=float, default=0.25,
                     help="share of the decoder layers the *_act modes page (default 0.25)")
-    ap.add_argument("--socket", default=None)
+    ap.add_argument("--socket", default=None, help="an existing tsd (default: start build/bin/tsd)")
+    ap.add_argument("--tsd-bin", default=None, help="the tsd to start (default $TSD_BIN, else build/bin/tsd)")
     ap.add_argument("--pool-size", default="96GiB")
     ap.add_argument("--daemon-args", default="", help="more arguments for the tsd this script starts")
-    ap.add_argument("--peers", default=None)
+    ap.add_argument("--peers", default=None, help="the folder of peers.py and offload_peers.py (or peers.py itself)")
+    ap.add_argument("--results", default=None, help="results file (default bench/results/finetune.jsonl)")
+    ap.add_argument("--sample-interval", type=float, default=0.5, help="seconds between memory samples (default 0.5)")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one tsd mode here
-    a = ap.parse_args()
-    a.peers = find_peers(a.peers)
-    if a.mode:
-        return run_tsd_mode(a)
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    once = {m for m in a.once.split(",") if m}
+    bad = [m for m in modes + sorted(once) if m not in ALL_MODES]
+    if a.mode is None and bad:
+        ap.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
+    if not modes or a.repeats < 1 or a.steps < 1 or a.batch < 1 or a.seq < 2:
+        ap.error("need at least one mode, --repeats >= 1, --steps >= 1, --batch >= 1 and --seq >= 2")
+    if a.clip < 0 or a.cap_gib < 0 or a.sample_interval <= 0:
+        ap.error("--clip and --cap-gib must be >= 0 and --sample-interval > 0")
+    a.modes_list, a.once_set = modes, frozenset(once)
+    return a
 
-    daemon = None
-    if a.socket is None:
-        tmp = tempfile.mkdtemp(prefix="tsd-bench-")
-        a.socket = os.path.join(tmp, "tsd.sock")
-        daemon = subprocess.Popen([os.path.join(ROOT, "build", "bin", "tsd"), "--socket", a.socket, "--pool-size",
-                                   a.pool_size, "--metrics-listen", "", *a.daemon_args.split()],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        import trainstream
-        for _ in range(200):
-            try:
-                trainstream.connect(socket=a.socket).close()
-                break
-            except trainstream.DaemonUnavailable:
-                time.sleep(0.1)
-    common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
-    if a.cap_gib:
-        common += ["--cap-gib", str(a.cap_gib)]
-    results = []
+
+def main(argv: Optional[list[str]] = None) -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--run-capped" and argv is None:
+        run_capped()
+        return 0
+    a = parse_args(argv)
+    if a.arch != TINY:
+        a.peers = find_script("peers.py", a.peers)
+        a.offload_peers = find_script("offload_peers.py", a.peers)
+    else:
+        a.peers = a.offload_peers = None
+    if a.mode:
+        run_tsd_mode(a)
+        return 0
+    import report
+
+    rec = benchlib.Recorder("finetune", a.results, command=benchlib.command_line(
+        [os.path.relpath(os.path.abspath(sys.argv[0]), os.getcwd()), *(sys.argv[1:] if argv is None else argv)]))
+    skips = {m: skip_reason(m, a) for m in a.modes_list}
+    nvml = benchlib.Nvml.open() if a.device == "cuda" else None
+    gpu = benchlib.Nvml.index_for_visible()
+    daemon = client = None
     try:
-        for mode in a.modes.split(","):
-            if mode in PEER_MODES:
-                r = run_child([sys.executable, a.peers, mode, *common])
-            else:
-                r = run_child([sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket,
-                               "--peers", a.peers, "--moment-dtype", a.moment_dtype,
-                               "--activation-offload", str(a.activation_offload), *common])
-            r.setdefault("mode", mode)
-            print("@@" + json.dumps(r), flush=True)
-            results.append(r)
+        if any(m in TSD_MODES and skips[m] is None for m in a.modes_list):
+            import trainstream
+
+            if a.socket is None:
+                daemon = start_daemon(a)
+            client = trainstream.connect(socket=a.socket)
+        daemon_pid = client.status().pid if client is not None else None
+        for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set):
+            if skips[mode] is not None:
+                if repeat == 0:
+                    rec.record(mode, workload(mode, a, {}), {}, status="skipped", reason=skips[mode], repeat=repeat)
+                    print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
+                continue
+            tsd = mode in TSD_MODES
+            run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
+                                       (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
+            status, reason, values, raw = outcome(run)
+            rec.record(mode, workload(mode, a, raw), values, status=status, reason=reason, repeat=repeat,
+                       extra={"raw": raw} if raw else None)
+            print("@@" + json.dumps({"mode": mode, "repeat": repeat, "status": status, **(
+                {"reason": reason[-300:]} if reason else {}), **values}), flush=True)
     finally:
+        if client is not None:
+            client.close()
         if daemon is not None:
             daemon.terminate()
             daemon.wait(30)
-    print(f"\n{a.arch}, batch {a.batch}x{a.seq}, {a.steps} steps (median of steps 3+)")
-    base = {r["mode"]: r for r in results if "error" not in r}
-    print(f"{'mode':<16}{'s/step':>10}{'peak VRAM GiB':>16}{'RSS GiB':>10}{'tsd GiB':>10}{'x stock':>9}"
-          f"{'x FSDP2':>9}{'VRAM/stock':>12}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['mode']:<16}  failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
-            continue
-        ratio = lambda m, k: f"{r[k] / base[m][k]:.2f}" if m in base else "-"  # noqa: E731
-        print(f"{r['mode']:<16}{r['step_s_median']:>10.3f}{r['peak_gib']:>16.1f}{r['peak_rss_gib']:>10.1f}"
-              f"{r.get('tsd_gib', 0):>10.1f}{ratio('stock', 'step_s_median'):>9}"
-              f"{ratio('fsdp2_offload', 'step_s_median'):>9}{ratio('stock', 'peak_gib'):>12}")
+    records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
+    ratios = [f"step:{m}" for m in ("fsdp2_offload", "ds_offload", "torchao_offload", "stock") if m in a.modes_list]
+    ratios += ["vram:stock"] if "stock" in a.modes_list else []
+    block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
+        a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
+    print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
+          f"{a.repeats} round(s); recorded in {os.path.relpath(rec.path)}\n")
+    print(report.render_modes(block, records))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

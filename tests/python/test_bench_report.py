@@ -1,0 +1,237 @@
+"""The benchmark pipeline: records appended by the benchmarks (bench/benchlib.py) and the docs
+generated from them (bench/report.py). docs/benchmarks.md must be exactly what bench/results/
+gives, so a figure typed into it by hand fails here."""
+import copy
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchlib  # noqa: E402
+import finetune_bench  # noqa: E402
+import report  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
+
+
+def docs_text():
+    with open(DOCS) as f:
+        return f.read()
+
+
+def test_committed_docs_are_what_the_results_give(capsys):
+    assert report.main(["--check"]) == 0, capsys.readouterr()
+
+
+def test_report_is_deterministic_whatever_the_order_of_the_records(tmp_path):
+    records = benchlib.read_results_dir(RESULTS)
+    assert records, "bench/results/ holds the transcribed runs at least"
+    img = str(tmp_path / "img")
+    first, plots = report.generate(docs_text(), records, img)
+    again, _ = report.generate(docs_text(), records, img)
+    shuffled = copy.deepcopy(records)
+    random.Random(7).shuffle(shuffled)
+    # The same records split over other files, in another order, give the same page.
+    for i, part in enumerate((shuffled[::2], shuffled[1::2])):
+        with open(tmp_path / f"part{i}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    other, _ = report.generate(docs_text(), benchlib.read_results_dir(str(tmp_path)), img)
+    assert first == again == other == docs_text()
+    assert [os.path.basename(p.path) for p in plots] == ["finetune-1.5b-8x512-stop7.png"]
+    assert os.path.exists(os.path.join(ROOT, "docs", "img", "finetune-1.5b-8x512-stop7.png"))
+
+
+def test_a_figure_typed_into_a_generated_block_fails_the_check_and_prose_is_kept(tmp_path, capsys):
+    doc = docs_text()
+    assert "| 0.523 |" in doc
+    edited = tmp_path / "benchmarks.md"
+    edited.write_text(doc.replace("| 0.523 |", "| 0.500 |", 1))
+    assert report.main(["--check", "--docs", str(edited), "--img-dir", os.path.join(ROOT, "docs", "img")]) == 1
+    out = capsys.readouterr()
+    assert "-| `tsd_bf16_act`" in out.out and "0.500" in out.out and "figures are generated" in out.err
+    # Rewriting restores the figure; hand-written prose outside the blocks stays as written.
+    prose = doc.replace("Every figure on this page is generated", "Every figure here is generated", 1)
+    edited.write_text(prose.replace("| 0.523 |", "| 0.500 |", 1))
+    assert report.main(["--docs", str(edited), "--no-plots"]) == 0
+    assert edited.read_text() == prose
+
+
+def rec(run, order, mode, step, vram=10.0, status="ok"):
+    return benchlib.validate_record({
+        "schema": 1, "benchmark": "finetune", "run_id": run, "order": order, "repeat": 0, "mode": mode,
+        "status": status, "workload": {"arch": "x", "batch": 1}, "values": {"step_s_median": step, "vram_torch_peak_gib": vram},
+        "commit": None, "time_utc": "2026-01-01T00:00:00Z", "host": {"gpu": None, "cpus": 2}, "command": "bench x",
+        "source": "measured"})
+
+
+def table(records, **extra):
+    attrs = {"benchmark": ["finetune"], "modes": ["a,b"], "cols": ["step"], "ratio": ["step:b"], **extra}
+    return report.render_modes(report.Block("t", "modes", attrs, 1), records)
+
+
+def row(text, mode):
+    return next(ln for ln in text.splitlines() if ln.startswith(f"| `{mode}`"))
+
+
+def test_a_ratio_within_10_percent_needs_the_median_of_3_interleaved_runs():
+    one = [rec("r", 0, "a", 0.95), rec("r", 1, "b", 1.0)]
+    assert row(table(one), "a").endswith("| 0.95 (not established) |")
+    assert "not established" in table(one)
+    # Far from 1, one run is enough.
+    assert row(table([rec("r", 0, "a", 0.5), rec("r", 1, "b", 1.0)]), "a").endswith("| 0.50 |")
+    # Three interleaved runs: the ratio of the medians stands.
+    a, b = [0.90, 1.00, 0.94], [1.0, 1.02, 0.99]
+    inter = [rec("r", 2 * i + j, m, x) for i in range(3) for j, (m, x) in enumerate((("a", a[i]), ("b", b[i])))]
+    text = table(inter)
+    assert row(text, "a").endswith(f"| {0.94 / 1.0:.2f} |") and "| 3 |" in row(text, "a")
+    assert "not established" not in text
+    # Three runs each, but A A A B B B: not interleaved, not established.
+    blocked = [rec("r", i, "a", a[i]) for i in range(3)] + [rec("r", 3 + i, "b", b[i]) for i in range(3)]
+    assert row(table(blocked), "a").endswith("(not established) |")
+    # Runs from different invocations are not interleaved either.
+    split = [rec(f"r{i}", 0, "a", a[i]) for i in range(3)] + [rec(f"r{i}", 1, "b", b[i]) for i in range(3)]
+    assert not report.interleaved([r for r in split if r["mode"] == "a"], [r for r in split if r["mode"] == "b"])
+
+
+def test_a_target_is_met_only_when_established():
+    single = [rec("r", 0, "a", 0.58), rec("r", 1, "b", 1.0)]
+    text = table(single, target=["a:step:b<=0.6"])
+    assert "Target `a` s/step ≤ 0.6x `b`'s: 0.58, not established (margin 3% from 0.6 with 1 and 1 run)" in text
+    inter = [rec("r", 2 * i + j, m, x) for i in range(3) for j, (m, x) in enumerate((("a", 0.58), ("b", 1.0)))]
+    assert "0.58, met (margin 3%, 3 and 3 runs)" in table(inter, target=["a:step:b<=0.6"])
+    assert "0.58, not met" in table(inter, target=["a:step:b<=0.5"])
+    with pytest.raises(report.ReportError, match="MODE:COL:REFMODE"):
+        table(single, target=["a<=0.6"])
+
+
+def test_latest_run_skipped_and_failed_modes_are_shown():
+    old = [rec("old", 0, "a", 0.5), rec("old", 1, "b", 1.0)]
+    new = [rec("new", 0, "a", 0.4), rec("new", 1, "b", 1.0)]
+    for r in new:
+        r["time_utc"] = "2026-02-01T00:00:00Z"
+    new[1] = dict(new[1], status="skipped", reason="deepspeed is not installed", values={})
+    text = table(old + new)
+    assert text.startswith("Run `new`")
+    assert "skipped: deepspeed is not installed" in row(text, "b")
+    assert row(text, "a").endswith("| — |")  # no reference, no ratio
+    assert "Run `old`" in table(old + new, run=["old"])
+
+
+def test_finetune_runs_modes_interleaved():
+    assert finetune_bench.schedule(["a", "b", "c"], 3, frozenset({"c"})) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert finetune_bench.schedule(["a"], 1) == [(0, "a")]
+
+
+def test_bad_results_and_markers_are_refused_with_what_to_fix(tmp_path):
+    bad = tmp_path / "x.jsonl"
+    good = rec("r", 0, "a", 1.0)
+    bad.write_text(json.dumps(good) + "\n{not json\n")
+    with pytest.raises(benchlib.RecordError, match=r"x.jsonl:2: not JSON"):
+        benchlib.read_results(str(bad))
+    bad.write_text(json.dumps({**good, "status": "skipped"}) + "\n")
+    with pytest.raises(benchlib.RecordError, match="needs a 'reason'"):
+        benchlib.read_results(str(bad))
+    with pytest.raises(report.ReportError, match="no closing"):
+        report.generate("<!-- report:x kind=modes benchmark=f -->\n", [], str(tmp_path))
+    with pytest.raises(report.ReportError, match="kind='table'"):
+        report.generate("<!-- report:x kind=table benchmark=f -->\n<!-- /report:x -->\n", [], str(tmp_path))
+    doc = "<!-- report:x kind=modes benchmark=f howto=\"run it\" -->\nold\n<!-- /report:x -->\n"
+    out, _ = report.generate(doc, [], str(tmp_path))
+    assert "No results recorded" in out and "run it" in out and "old" not in out
+
+
+def test_record_lines_records_a_shell_benchmark(tmp_path):
+    lines = '{"bench": "engine", "moments": "fp32", "params": 1000, "gparam_per_s": 1.5}\nplain text\n' \
+            '{"bench": "torch_adamw_cpu", "skipped": "python3 has no torch"}\n'
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "benchlib.py"), "record-lines", "--benchmark",
+                          "optimizer", "--results", str(tmp_path / "o.jsonl"), "--command", "bench/x.sh 1000",
+                          "--mode-keys", "bench,moments,impl", "--workload-keys", "params", "--workload", "build=b"],
+                         input=lines, capture_output=True, text=True, check=True)
+    assert out.stdout == lines  # echoed
+    a, b = benchlib.read_results(str(tmp_path / "o.jsonl"))
+    assert (a["mode"], a["workload"], a["values"], a["command"]) == (
+        "engine/fp32", {"build": "b", "params": 1000}, {"gparam_per_s": 1.5}, "bench/x.sh 1000")
+    assert (b["mode"], b["status"], b["reason"]) == ("torch_adamw_cpu", "skipped", "python3 has no torch")
+    assert a["run_id"] == b["run_id"] and (a["order"], b["order"]) == (0, 1)
+
+
+def test_plots_are_the_same_bytes_every_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = report.Plot(str(tmp_path / "a.png"), "t", {"tsd": [(10.0, 0.5), (20.0, 0.4)], "stock": [(40.0, 0.15)]})
+    report.write_plot(p)
+    first = (tmp_path / "a.png").read_bytes()
+    report.write_plot(p)
+    assert first[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "a.png").read_bytes() == first
+
+
+def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
+    results = tmp_path / "finetune.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
+           "--batch", "2", "--seq", "16", "--steps", "2", "--modes", "tsd,stock", "--socket", tsd.socket,
+           "--results", str(results), "--sample-interval", "0.05"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ok, skipped = benchlib.read_results(str(results))
+    assert ok["benchmark"] == "finetune" and ok["mode"] == "tsd" and ok["status"] == "ok", ok.get("reason")
+    assert ok["workload"]["arch"] == "tiny" and ok["workload"]["clip"] == 1.0 and ok["workload"]["batch"] == 2
+    assert ok["workload"]["params"] > 0 and ok["workload"]["device"] == "cpu"
+    v = ok["values"]
+    assert len(v["step_s"]) == 2 and v["step_s_median"] > 0
+    assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
+    assert v["rss_peak_gib"] > 0 and "vram_torch_peak_gib" not in v  # no GPU: no VRAM figure rather than a zero
+    assert "finetune_bench.py --device cpu --arch tiny" in ok["command"] and ok["host"]["cpus"] >= 1
+    assert ok["time_utc"].endswith("Z") and ok["source"] == "measured"
+    assert skipped["mode"] == "stock" and skipped["status"] == "skipped" and "needs a GPU" in skipped["reason"]
+    assert ok["run_id"] == skipped["run_id"] and (ok["order"], skipped["order"]) == (0, 1)
+    assert "| `tsd`" in out.stdout  # the run's table, printed at the end
+
+
+def test_peer_output_becomes_values_and_a_missing_package_a_skip():
+    """The GPU path's parsing, on the lines peers.py and offload_peers.py print."""
+    run = benchlib.ChildRun()
+    run.stdout = 'loading\n@@{"mode": "ds_offload", "params": 10, "step_s_median": 1.08, "steps": [3.0, 1.1, 1.08], ' \
+                 '"peak_gib": 21.4, "clip": 1.0, "grad_norms": [6.5, 6.4], "peak_rss_gib": 30.0}\n'
+    run.rss_peak_bytes, run.device_baseline, run.device_peak = 2 << 30, 1 << 30, 25 << 30
+    status, reason, values, raw = finetune_bench.outcome(run)
+    assert (status, reason, raw["mode"]) == ("ok", None, "ds_offload")
+    assert values["step_s_median"] == 1.08 and values["step_s"] == [3.0, 1.1, 1.08]
+    assert values["vram_torch_peak_gib"] == 21.4 and values["vram_device_peak_gib"] == 24.0
+    assert values["rss_peak_gib"] == 2.0 and values["grad_norms"] == [6.5, 6.4]
+    gone = benchlib.ChildRun()
+    gone.returncode, gone.stderr = 1, "Traceback ...\nModuleNotFoundError: No module named 'deepspeed'\n"
+    assert finetune_bench.outcome(gone)[:2] == ("skipped", "deepspeed is not installed")
+    broke = benchlib.ChildRun()
+    broke.returncode, broke.stderr = 1, "Traceback ...\nRuntimeError: CUDA out of memory\n"
+    assert finetune_bench.outcome(broke)[:2] == ("failed", "Traceback ...\nRuntimeError: CUDA out of memory")
+
+
+def test_peers_get_the_same_workload_and_clipping():
+    a = finetune_bench.parse_args(["--clip", "1.0", "--cap-gib", "32", "--batch", "4"])
+    a.peers, a.offload_peers, a.socket = "/p/peers.py", "/p/offload_peers.py", "/s"
+    stock = finetune_bench.child_argv("stock", a)
+    assert stock[1:3] == ["/p/peers.py", "stock"] and stock[-4:] == ["--clip", "1.0", "--cap-gib", "32.0"]
+    assert "--batch" in stock and stock[stock.index("--batch") + 1] == "4"
+    ds = finetune_bench.child_argv("ds_offload", a)  # offload_peers.py has no --cap-gib: capped by the launcher
+    assert ds[2:5] == ["--run-capped", "32.0", "/p/offload_peers.py"] and ds[-2:] == ["--clip", "1.0"]
+    tsd = finetune_bench.child_argv("tsd_bf16_act", a)
+    assert tsd[2:4] == ["--mode", "tsd_bf16_act"] and tsd[tsd.index("--clip") + 1] == "1.0"
+    with pytest.raises(SystemExit):
+        finetune_bench.parse_args(["--modes", "tsd,nonsense"])
+
+
+def test_transcribed_runs_say_so():
+    """The figures typed by hand before the pipeline are marked as such, with the page they came from."""
+    records = benchlib.read_results_dir(RESULTS)
+    stop7 = [r for r in records if r["run_id"].startswith("stop7-")]
+    assert stop7
+    for r in stop7:
+        assert r["source"] == "transcribed from docs/benchmarks.md before the pipeline (stop 7)"
+        assert r["transcribed_at"] and r["time_utc"] is None and r["commit"] is None
+    assert all(r["source"] == "measured" for r in records if not r["run_id"].startswith("stop7-"))
