@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/ops/metrics.h"
 #include "proto/futex.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -157,14 +156,15 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
 }
 
 JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions,
-                           WorkerPool& pool, kernels::Isa isa, Metrics* metrics)
+                           WorkerPool& pool, kernels::Isa isa,
+                           std::shared_ptr<OptimizerObserver> observer)
     : job_(std::move(job)),
       plan_(std::move(plan)),
       regions_(std::move(regions)),
       pool_(pool),
       queue_(pool.NewQueue()),
       isa_(isa),
-      metrics_(metrics) {
+      observer_(std::move(observer)) {
   page_ =
       wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
   page_.header->magic = wire::kControlPageMagic;
@@ -442,15 +442,15 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
       [this, b, after = std::move(after)] {
         const BucketRun& r = *runs_[b];
         page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
-        if (metrics_ != nullptr) {
+        if (observer_ != nullptr) {
           const double seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
-          metrics_->RecordBucketUpdate(job_, seconds, static_cast<uint64_t>(r.plan.numel));
+          observer_->OnBucketUpdate(seconds, static_cast<uint64_t>(r.plan.numel));
           // A job's step count is the highest step any of its buckets reached.
           int64_t seen = max_step_.load(std::memory_order_relaxed);
           while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
           }
-          if (r.steps > seen) metrics_->RecordStep(job_);
+          if (r.steps > seen) observer_->OnStep(r.steps);
         }
         after();
       });

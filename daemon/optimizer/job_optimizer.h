@@ -24,15 +24,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/optimizer/worker_pool.h"
 #include "daemon/memory/region.h"
+#include "daemon/optimizer/observer.h"
+#include "daemon/optimizer/worker_pool.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/control_page.h"
 #include "proto/tsd.pb.h"
 
 namespace tsd {
-
-class Metrics;
 
 // Where one bucket's data lives (byte offsets into the optimizer's regions).
 struct BucketPlan {
@@ -73,9 +72,9 @@ class JobOptimizer final {
   static absl::StatusOr<OptimizerPlan> Plan(const v1::RegisterOptimizerRequest& request,
                                             uint64_t max_bytes);
 
-  // `metrics` (may be null) receives each bucket update's latency and each step.
+  // `observer` (may be null) receives each bucket update's latency and each step.
   JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
-               kernels::Isa isa, Metrics* metrics = nullptr);
+               kernels::Isa isa, std::shared_ptr<OptimizerObserver> observer = nullptr);
   ~JobOptimizer();
   JobOptimizer(const JobOptimizer&) = delete;
   JobOptimizer& operator=(const JobOptimizer&) = delete;
@@ -143,7 +142,7 @@ class JobOptimizer final {
   WorkerPool& pool_;
   std::shared_ptr<WorkerPool::Queue> queue_;
   const kernels::Isa isa_;
-  Metrics* const metrics_;
+  const std::shared_ptr<OptimizerObserver> observer_;
   std::atomic<int64_t> max_step_{0};  // the highest step any bucket reached (a job's step count)
   wire::ControlView page_;
   std::vector<std::unique_ptr<BucketRun>> runs_;

@@ -1,6 +1,6 @@
 // Sizes, durations, the TOML file and flags: what `tsd` accepts and how it explains what it
 // refuses, and that the shipped deploy/tsd.toml documents every setting with its default.
-#include "daemon/config.h"
+#include "daemon/ops/config.h"
 
 #include <unistd.h>
 
@@ -157,8 +157,7 @@ TEST(LoadConfig, TheSocketDefaultsToSystemdsRuntimeDirectory) {
 // deploy/tsd.toml (installed as /etc/tsd/tsd.toml) lists every setting, commented out, with its
 // default: uncommented, it must load to exactly what no file at all gives.
 TEST(ShippedConfig, ListsEverySettingWithItsDefault) {
-  const std::filesystem::path shipped =
-      std::filesystem::path(__FILE__).parent_path() / "../../deploy/tsd.toml";
+  const std::filesystem::path shipped = std::filesystem::path(TSD_SOURCE_DIR) / "deploy/tsd.toml";
   std::ifstream in(shipped);
   ASSERT_TRUE(in.good()) << shipped;
   std::string uncommented, line;
