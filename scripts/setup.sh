@@ -10,6 +10,7 @@ DEBS=(build-essential cmake ninja-build pkg-config git
       libspdlog-dev libfmt-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
       libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libnuma-dev prometheus-cpp-dev
       libsystemd-dev python3-venv
+      clang  # Debian's clang-14: scripts/check-thread-safety.sh (the thread-safety analysis)
       systemd file dpkg-dev adduser)  # the package test: systemd-analyze, cpack's dpkg-shlibdeps
 
 missing=()

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "proto/control_page.h"
 #include "proto/futex.h"
+#include "proto/mutex.h"
+#include "proto/status_macros.h"
 #include "tsd/client.h"
 
 namespace tsd {
@@ -23,6 +25,14 @@ wire::ControlView View(const std::shared_ptr<Region>& control, size_t groups) {
 
 size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
+// Commits are the one piece of state that several threads may drive: each bumps the page's commit
+// counter by one and waits for it, and the daemon fails the optimizer if the counter jumps.
+struct Optimizer::CommitState {
+  Mutex mu;
+  uint64_t commits ABSL_GUARDED_BY(mu) = 0;
+};
+
+Optimizer::Optimizer() : commit_(std::make_unique<CommitState>()) {}
 Optimizer::~Optimizer() = default;
 
 float* Optimizer::master(size_t b) const {
@@ -58,7 +68,7 @@ absl::Status Optimizer::Ready(size_t b, bool first, bool final) {
     return absl::InvalidArgumentError(
         absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
   }
-  if (absl::Status s = Failure(); !s.ok()) return s;
+  TSD_RETURN_IF_ERROR(Failure());
   auto v = View(control_, groups_);
   auto& slot = v.buckets[b];
   const uint64_t done = slot.done.load(std::memory_order_acquire);
@@ -85,7 +95,7 @@ absl::Status Optimizer::WaitUntil(Done done, absl::Duration timeout, const char*
   for (;;) {
     const uint32_t seen = v.header->completions.load(std::memory_order_acquire);
     if (done()) return absl::OkStatus();
-    if (absl::Status s = Failure(); !s.ok()) return s;
+    TSD_RETURN_IF_ERROR(Failure());
     std::string why;
     if (!client_->DaemonAlive(&why)) return absl::UnavailableError(why);
     if (absl::Now() > deadline) {
@@ -112,24 +122,23 @@ absl::Status Optimizer::Wait(size_t b, absl::Duration timeout) {
 
 absl::Status Optimizer::WaitAll(absl::Duration timeout) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (absl::Status s = Wait(b, timeout); !s.ok()) return s;
+    TSD_RETURN_IF_ERROR(Wait(b, timeout));
   }
   return absl::OkStatus();
 }
 
 absl::Status Optimizer::Commit(absl::Duration timeout) {
-  if (absl::Status s = Failure(); !s.ok()) return s;
+  TSD_RETURN_IF_ERROR(Failure());
+  // Held until this commit is done, so a second thread's commit follows it rather than racing it.
+  MutexLock lock(commit_->mu);
   auto v = View(control_, groups_);
-  const uint64_t target = ++commits_;
+  const uint64_t target = ++commit_->commits;
   v.header->commit.store(target, std::memory_order_release);
   v.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&v.header->doorbell);
-  if (absl::Status s =
-          WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; },
-                    timeout, "the step's commit");
-      !s.ok()) {
-    return s;
-  }
+  TSD_RETURN_IF_ERROR(
+      WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; },
+                timeout, "the step's commit"));
   return WaitAll(timeout);
 }
 

@@ -500,8 +500,9 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
       return absl::NotFoundError("an optimizer region vanished during registration");
     *slots[i] = it->second;
   }
-  auto optimizer = std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool,
-                                                  options_.isa, options_.metrics);
+  auto optimizer = std::make_shared<JobOptimizer>(
+      job.name, *plan, regions, *options_.pool, options_.isa,
+      options_.metrics ? options_.metrics->ObserverFor(job.name) : nullptr);
   optimizer->Start();
   job.optimizer = optimizer;
   job.optimizer_session = req.session().session_id();

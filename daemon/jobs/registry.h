@@ -46,7 +46,7 @@ struct RegistryOptions {
   size_t max_pending = 4096;
   size_t max_jobs = 4096;
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
-  Metrics* metrics = nullptr;  // where optimizers report bucket updates and steps (may be null)
+  OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
 };
 

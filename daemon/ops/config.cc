@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include <toml++/toml.h>
@@ -18,7 +20,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/ops/settings.h"
 #include "daemon/ops/version.h"
+#include "proto/status_macros.h"
 #include "proto/wire.h"
 
 namespace tsd {
@@ -26,7 +30,8 @@ namespace {
 
 constexpr char kDefaultConfigPath[] = "/etc/tsd/tsd.toml";
 
-absl::Status ReadToml(const std::string& path, Config& c) {
+// Reads the file's settings over `c`. Returns the keys it set.
+absl::StatusOr<std::set<std::string>> ReadToml(const std::string& path, Config& c) {
   toml::table table;
   try {
     table = toml::parse_file(path);
@@ -36,72 +41,29 @@ absl::Status ReadToml(const std::string& path, Config& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config file ", path, ": ", std::string(e.description()), " at ", where.str()));
   }
-  const std::vector<std::pair<const char*, std::string*>> strings = {
-      {"socket", &c.socket},
-      {"socket_group", &c.socket_group},
-      {"pool_size", &c.pool_size},
-      {"max_job_quota", &c.max_job_quota},
-      {"orphan_grace", &c.orphan_grace},
-      {"log_level", &c.log_level},
-      {"metrics_listen", &c.metrics_listen},
-  };
-  struct IntSetting {
-    const char* name;
-    int* field;
-    int64_t lo, hi;
-  };
-  const std::vector<IntSetting> ints = {
-      {"optimizer_threads", &c.optimizer_threads, 0, 4096},
-      {"optimizer_nice", &c.optimizer_nice, -20, 19},
-  };
+  std::set<std::string> named;
   for (const auto& [key, node] : table) {
-    const auto int_setting = std::find_if(ints.begin(), ints.end(), [&](const IntSetting& s) {
-      return std::string(key.str()) == s.name;
-    });
-    if (int_setting != ints.end()) {
-      const auto* i = node.as_integer();
-      if (i == nullptr || i->get() < int_setting->lo || i->get() > int_setting->hi) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("config file ", path, ": '", int_setting->name,
-                         "' must be an integer in [", int_setting->lo, ", ", int_setting->hi, "]"));
-      }
-      *int_setting->field = static_cast<int>(i->get());
-      continue;
-    }
-    if (key.str() == "pin_optimizer_threads") {
-      const auto* b = node.as_boolean();
-      if (b == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("config file ", path, ": 'pin_optimizer_threads' must be true or false"));
-      }
-      c.pin_optimizer_threads = b->get();
-      continue;
-    }
-    bool known = false;
-    for (const auto& [name, field] : strings) {
-      if (std::string(key.str()) != name) continue;
-      known = true;
-      if (const auto* s = node.as_string()) {
-        *field = s->get();
-      } else if (const auto* i = node.as_integer()) {
-        *field = std::to_string(i->get());  // e.g. pool_size = 1073741824, orphan_grace = 5
-      } else {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "config file ", path, ": '", std::string(key.str()), "' must be a string"));
-      }
-    }
-    if (!known) {
-      std::vector<std::string> names;
-      for (const auto& [name, field] : strings) names.push_back(name);
-      for (const auto& s : ints) names.push_back(s.name);
-      names.push_back("pin_optimizer_threads");
+    const Setting* setting = FindSetting(absl::string_view(key.str().data(), key.str().size()));
+    if (setting == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": unknown setting '",
                                                      std::string(key.str()), "'; known are ",
-                                                     absl::StrJoin(names, ", ")));
+                                                     SettingKeys()));
     }
+    std::optional<std::string> text;
+    if (setting->type == SettingType::kBool) {
+      if (const auto* b = node.as_boolean()) text = b->get() ? "true" : "false";
+    } else if (const auto* i = node.as_integer()) {
+      text = std::to_string(i->get());  // e.g. pool_size = 1073741824, orphan_grace = 5
+    } else if (const auto* str = node.as_string(); str != nullptr && setting->is_string()) {
+      text = str->get();
+    }
+    if (!text.has_value() || !setting->Set(c, *text).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("config file ", path, ": '", setting->key,
+                                                     "' must be ", setting->Expected()));
+    }
+    named.insert(std::string(setting->key));
   }
-  c.metrics_listen_set = c.metrics_listen_set || table.contains("metrics_listen");
-  return absl::OkStatus();
+  return named;
 }
 
 // "HOST:PORT" or "[IPv6]:PORT", or empty (off). The host is not resolved here; a name that does
@@ -215,6 +177,13 @@ absl::StatusOr<absl::Duration> ParseDurationArg(const std::string& text) {
   return d;
 }
 
+Config::Config() {
+  for (const Setting& s : Settings()) {
+    // The table's defaults are valid values of their settings (config_test checks each).
+    s.Set(*this, s.default_value).IgnoreError();
+  }
+}
+
 absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   LoadedConfig out;
   Config flags;
@@ -227,38 +196,27 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   bool print_config = false;
   app.add_option("--config", config_path,
                  "TOML config file (default /etc/tsd/tsd.toml when it exists); flags override it");
-  auto* o_socket = app.add_option("--socket", flags.socket,
-                                  "control socket path (default /run/tsd/tsd.sock as root, else "
-                                  "$XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock)");
-  auto* o_group = app.add_option("--socket-group", flags.socket_group,
-                                 "group whose members may connect (sockets 0660, directory 0770)");
-  auto* o_pool =
-      app.add_option("--pool-size", flags.pool_size,
-                     "host memory the daemon lends: 64GiB, 512MiB or 60% of RAM (default 50%)");
-  auto* o_quota = app.add_option(
-      "--max-job-quota", flags.max_job_quota,
-      "largest quota one job may hold: a size or a share of the pool (default 100%)");
-  auto* o_grace =
-      app.add_option("--orphan-grace", flags.orphan_grace,
-                     "keep a job's memory this long after its last session died (default 0s)");
-  auto* o_log = app.add_option("--log-level", flags.log_level,
-                               "trace, debug, info, warn, error, critical or off (default info)");
-  // The last --metrics-listen wins, so a wrapper can turn the endpoint off by default and a
-  // caller can still name a port after it.
-  auto* o_metrics = app.add_option("--metrics-listen", flags.metrics_listen,
-                                   "serve Prometheus metrics at http://HOST:PORT/metrics "
-                                   "(default 127.0.0.1:9464; \"\" turns it off)")
-                        ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  auto* o_threads =
-      app.add_option("--optimizer-threads", flags.optimizer_threads,
-                     "optimizer worker threads (default 0: every CPU the daemon may use)")
-          ->check(CLI::Range(0, 4096));
-  auto* o_pin = app.add_flag("--pin-optimizer-threads", flags.pin_optimizer_threads,
-                             "pin each optimizer worker to one CPU");
-  auto* o_nice = app.add_option("--optimizer-nice", flags.optimizer_nice,
-                                "nice value of the optimizer workers, -20..19 (default 10); above "
-                                "0 they give way to the trainers' own threads")
-                     ->check(CLI::Range(-20, 19));
+  // One flag per setting, from the table.
+  std::vector<CLI::Option*> options;
+  for (const Setting& s : Settings()) {
+    const std::string help =
+        absl::StrCat(s.help, " (default ",
+                     !s.default_help.empty()   ? s.default_help
+                     : s.default_value.empty() ? absl::string_view("\"\"")
+                                               : s.default_value,
+                     s.reload == ReloadPolicy::kRestart ? "; a reload cannot change it" : "", ")");
+    CLI::Option* o = nullptr;
+    if (auto* str = std::get_if<std::string Config::*>(&s.field)) {
+      o = app.add_option(std::string(s.flag), flags.**str, help);
+    } else if (auto* i = std::get_if<int Config::*>(&s.field)) {
+      o = app.add_option(std::string(s.flag), flags.**i, help)
+              ->check(CLI::Range(static_cast<int>(s.min), static_cast<int>(s.max)));
+    } else {
+      o = app.add_flag(std::string(s.flag), flags.*std::get<bool Config::*>(s.field), help);
+    }
+    if (s.last_flag_wins) o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    options.push_back(o);
+  }
   app.add_flag("--print-config", print_config,
                "print the effective configuration as TOML and exit");
   try {
@@ -270,6 +228,7 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   }
 
   Config c;
+  std::set<std::string> named;
   if (!config_path.empty()) {
     if (!std::filesystem::exists(config_path)) {
       return absl::NotFoundError(absl::StrCat("config file ", config_path, " does not exist"));
@@ -278,22 +237,16 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
     config_path = kDefaultConfigPath;
   }
   if (!config_path.empty()) {
-    if (absl::Status s = ReadToml(config_path, c); !s.ok()) return s;
+    TSD_ASSIGN_OR_RETURN(named, ReadToml(config_path, c));
     c.config_path = config_path;
   }
-  if (*o_socket) c.socket = flags.socket;
-  if (*o_group) c.socket_group = flags.socket_group;
-  if (*o_pool) c.pool_size = flags.pool_size;
-  if (*o_quota) c.max_job_quota = flags.max_job_quota;
-  if (*o_grace) c.orphan_grace = flags.orphan_grace;
-  if (*o_log) c.log_level = flags.log_level;
-  if (*o_threads) c.optimizer_threads = flags.optimizer_threads;
-  if (*o_pin) c.pin_optimizer_threads = flags.pin_optimizer_threads;
-  if (*o_nice) c.optimizer_nice = flags.optimizer_nice;
-  if (*o_metrics) {
-    c.metrics_listen = flags.metrics_listen;
-    c.metrics_listen_set = true;
+  for (size_t i = 0; i < options.size(); ++i) {
+    if (!*options[i]) continue;
+    const Setting& s = Settings()[i];
+    std::visit([&](auto member) { c.*member = flags.*member; }, s.field);
+    named.insert(std::string(s.key));
   }
+  c.metrics_listen_set = named.count("metrics_listen") > 0;
   c.args.assign(argv, argv + argc);
 
   if (c.socket.empty()) c.socket = DefaultDaemonSocketPath();
@@ -314,14 +267,19 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (!grace.ok())
     return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
   c.orphan_grace_duration = *grace;
-  static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
-  if (std::find(std::begin(kLevels), std::end(kLevels), c.log_level) == std::end(kLevels)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("log_level '", c.log_level,
-                     "' is not one of trace, debug, info, warn, error, critical, off"));
+  for (const Setting& s : Settings()) {
+    if (s.type != SettingType::kChoice) continue;
+    const std::string value = s.Get(c);
+    if (std::find(s.choices.begin(), s.choices.end(), value) == s.choices.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.key, " '", value, "' is not one of ", absl::StrJoin(s.choices, ", ")));
+    }
   }
-  if (absl::Status s = ValidateListenAddress(c.metrics_listen); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics_listen: ", s.message()));
+  for (const Setting& s : Settings()) {
+    if (s.type != SettingType::kAddress) continue;
+    if (absl::Status v = ValidateListenAddress(s.Get(c)); !v.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(s.key, ": ", v.message()));
+    }
   }
   out.config = c;
   out.action = print_config ? Action::kPrintConfig : Action::kRun;
@@ -337,18 +295,10 @@ absl::StatusOr<LoadedConfig> LoadConfig(const std::vector<std::string>& args) {
 }
 
 std::string ConfigToToml(const Config& c) {
-  toml::table t{
-      {"socket", c.socket},
-      {"socket_group", c.socket_group},
-      {"pool_size", c.pool_size},
-      {"max_job_quota", c.max_job_quota},
-      {"orphan_grace", c.orphan_grace},
-      {"log_level", c.log_level},
-      {"metrics_listen", c.metrics_listen},
-      {"optimizer_threads", c.optimizer_threads},
-      {"pin_optimizer_threads", c.pin_optimizer_threads},
-      {"optimizer_nice", c.optimizer_nice},
-  };
+  toml::table t;
+  for (const Setting& s : Settings()) {
+    std::visit([&](auto member) { t.insert(std::string(s.key), c.*member); }, s.field);
+  }
   std::ostringstream os;
   os << "# effective tsd configuration"
      << (c.config_path.empty() ? std::string(" (no config file)") : " from " + c.config_path)

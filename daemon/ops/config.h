@@ -12,20 +12,24 @@
 
 namespace tsd {
 
+// The settings' defaults, types, ranges, flags and reload rules are declared once, in
+// daemon/ops/settings.cc; a Config starts with every setting at its default.
 struct Config {
-  std::string socket;        // control socket path; empty = the default for this uid
-  std::string socket_group;  // group given access to the sockets (mode 0660/0770); empty = ours
-  std::string pool_size = "50%";       // as given: "64GiB", "512MiB", "60%" (of RAM), or bytes
-  std::string max_job_quota = "100%";  // as given; a share is of the pool
-  std::string orphan_grace = "0s";     // how long a job without live sessions keeps its memory
-  std::string log_level = "info";      // trace, debug, info, warn, error, critical, off
-  std::string metrics_listen = "127.0.0.1:9464";  // Prometheus endpoint "host:port"; empty = off
+  Config();
+
+  std::string socket;          // control socket path; empty = the default for this uid
+  std::string socket_group;    // group given access to the sockets (mode 0660/0770); empty = ours
+  std::string pool_size;       // as given: "64GiB", "512MiB", "60%" (of RAM), or bytes
+  std::string max_job_quota;   // as given; a share is of the pool
+  std::string orphan_grace;    // how long a job without live sessions keeps its memory
+  std::string log_level;       // trace, debug, info, warn, error, critical, off
+  std::string metrics_listen;  // Prometheus endpoint "host:port"; empty = off
   bool metrics_listen_set = false;     // named by a flag or the file: failing to listen is fatal
   int optimizer_threads = 0;           // optimizer worker threads; 0 = every CPU the daemon may use
   bool pin_optimizer_threads = false;  // pin worker i to the i-th allowed CPU
   // Nice value of the optimizer workers (-20..19). Above 0 they yield the CPU to a trainer's
   // latency-sensitive threads (the one launching CUDA kernels) on the same machine.
-  int optimizer_nice = 10;
+  int optimizer_nice = 0;
   std::string config_path;  // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.

@@ -64,6 +64,28 @@ class Metrics::Collector final : public prometheus::Collectable {
   const Metrics& metrics_;
 };
 
+// What a job's optimizer reports to: the job's series, held for as long as the optimizer lives.
+class Metrics::JobObserver final : public OptimizerObserver {
+ public:
+  // Called under mu_, which a scrape holds while it checks `holders`.
+  explicit JobObserver(std::shared_ptr<JobSeries> series) : series_(std::move(series)) {
+    series_->holders.fetch_add(1, std::memory_order_relaxed);
+  }
+  // Everything this observer recorded happens before a scrape that sees `holders` drop.
+  ~JobObserver() override { series_->holders.fetch_sub(1, std::memory_order_release); }
+  JobObserver(const JobObserver&) = delete;
+  JobObserver& operator=(const JobObserver&) = delete;
+
+  void OnBucketUpdate(double seconds, uint64_t params) override {
+    series_->bucket_seconds->Observe(seconds);
+    series_->params->Increment(static_cast<double>(params));
+  }
+  void OnStep(int64_t /*step*/) override { series_->steps->Increment(); }
+
+ private:
+  const std::shared_ptr<JobSeries> series_;
+};
+
 Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
   steps_ = &prometheus::BuildCounter()
                 .Name("tsd_optimizer_steps_total")
@@ -85,7 +107,7 @@ Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry)
 Metrics::~Metrics() { StopServing(); }
 
 void Metrics::WatchRegistry(const Registry& registry) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   registry_ = &registry;
 }
 
@@ -112,35 +134,26 @@ int Metrics::port() const {
   return ports.empty() ? 0 : ports.front();
 }
 
-Metrics::JobSeries& Metrics::SeriesLocked(const std::string& job) {
-  auto it = jobs_.find(job);
-  if (it != jobs_.end()) return it->second;
-  JobSeries s;
-  const prometheus::Labels labels = {{kJobLabel, job}};
-  s.steps = &steps_->Add(labels);
-  s.params = &params_->Add(labels);
-  s.bucket_seconds = &bucket_seconds_->Add(labels, BucketUpdateBounds());
-  s.generation = generation_;
-  return jobs_.emplace(job, s).first->second;
-}
-
-void Metrics::RecordStep(const std::string& job) {
-  std::lock_guard<std::mutex> lock(mu_);
-  SeriesLocked(job).steps->Increment();
-}
-
-void Metrics::RecordBucketUpdate(const std::string& job, double seconds, uint64_t params) {
-  std::lock_guard<std::mutex> lock(mu_);
-  JobSeries& s = SeriesLocked(job);
-  s.bucket_seconds->Observe(seconds);
-  s.params->Increment(static_cast<double>(params));
+std::shared_ptr<OptimizerObserver> Metrics::ObserverFor(const std::string& job) {
+  MutexLock lock(mu_);
+  std::shared_ptr<JobSeries>& series = jobs_[job];
+  if (series == nullptr) {
+    auto s = std::make_shared<JobSeries>();
+    const prometheus::Labels labels = {{kJobLabel, job}};
+    s->steps = &steps_->Add(labels);
+    s->params = &params_->Add(labels);
+    s->bucket_seconds = &bucket_seconds_->Add(labels, BucketUpdateBounds());
+    s->generation = generation_;
+    series = std::move(s);
+  }
+  return std::make_shared<JobObserver>(series);
 }
 
 std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   uint64_t generation;
   const Registry* registry;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     generation = ++generation_;  // series created from here on survive this scrape
     registry = registry_;
   }
@@ -187,12 +200,15 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
 
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto it = jobs_.begin(); it != jobs_.end();) {
-      if (it->second.generation < generation && live.count(it->first) == 0) {
-        steps_->Remove(it->second.steps);
-        params_->Remove(it->second.params);
-        bucket_seconds_->Remove(it->second.bucket_seconds);
+      // A series gains holders only under mu_, so one seen without any stays so while we hold it.
+      const JobSeries& s = *it->second;
+      if (s.generation < generation && live.count(it->first) == 0 &&
+          s.holders.load(std::memory_order_acquire) == 0) {
+        steps_->Remove(s.steps);
+        params_->Remove(s.params);
+        bucket_seconds_->Remove(s.bucket_seconds);
         it = jobs_.erase(it);
       } else {
         ++it;

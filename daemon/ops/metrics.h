@@ -4,7 +4,8 @@
 // Two kinds of figures are exported. The pool and the jobs are not counted here at all: they are
 // read from the Registry at each scrape (Registry::View, one lock), so they always agree with
 // `tsctl status --json` and `tsctl jobs --json`. The optimizer's figures are events only the
-// engine sees, so the engine reports them through the Record* calls below.
+// engine sees, so the engine reports them to the job's observer (ObserverFor, resolved once when
+// the job's optimizer is created).
 //
 // Exported (per job, the label is `job_name`: `job` is the label Prometheus itself gives every
 // scraped target, and a target's own `job` label would be renamed `exported_job`):
@@ -19,26 +20,30 @@
 //   tsd_job_used_bytes{job_name}            bytes the job holds
 //   tsd_job_quota_bytes{job_name}           the job's quota
 //   tsd_job_sessions{job_name}, tsd_job_regions{job_name}
-//   tsd_optimizer_steps_total{job_name}     optimizer steps completed (RecordStep)
+//   tsd_optimizer_steps_total{job_name}     optimizer steps completed (OnStep)
 //   tsd_optimizer_params_total{job_name}    parameters updated; its rate() is the throughput
 //   tsd_bucket_update_seconds{job_name}     histogram: time to update one bucket
-// A job's optimizer series disappear with the job (at the first scrape after it is released).
+// A job's optimizer series disappear with the job (at the first scrape after it is released and
+// no observer of it is held any more).
 // There are no store metrics: the daemon has no stores yet.
 //
-// Thread safety: every method may be called from any thread. Record* take one mutex briefly (a
-// map lookup and an atomic add), so the engine may call them per bucket.
+// Thread safety: every method may be called from any thread. ObserverFor takes the mutex once per
+// optimizer; the observer's calls take none of Metrics' locks (prometheus-cpp's counters are
+// atomic, its histograms lock per series), so the engine calls them per bucket.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "daemon/optimizer/observer.h"
+#include "proto/mutex.h"
 
 namespace prometheus {
 class Counter;
@@ -54,14 +59,14 @@ namespace tsd {
 
 class Registry;
 
-class Metrics final {
+class Metrics final : public OptimizerObservers {
  public:
   // Nothing listens until Listen, and pool and job figures come once a registry is watched. The
   // two steps let the daemon make Metrics before the Registry (whose optimizers record into it).
   Metrics();
   // The same, watching `registry` at once.
   explicit Metrics(const Registry& registry);
-  ~Metrics();
+  ~Metrics() override;
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
 
@@ -77,27 +82,27 @@ class Metrics final {
   // Idempotent; the destructor does it too.
   void StopServing();
 
-  // --- The optimizer engine's API ---
-  // One optimizer step of `job` completed (every bucket updated).
-  void RecordStep(const std::string& job);
-  // One bucket update of `job` took `seconds` (from its gradients being ready to its parameters
-  // written) and updated `params` parameters.
-  void RecordBucketUpdate(const std::string& job, double seconds, uint64_t params);
+  // The optimizer engine's observer for `job`: its series, created on first use. They outlive
+  // the job for as long as the observer is held; the Metrics must outlive its observers.
+  std::shared_ptr<OptimizerObserver> ObserverFor(const std::string& job) override;
 
   // Everything, in the Prometheus text format: what a scrape returns (tests, debugging).
   std::string Render() const;
 
  private:
   class Collector;
+  class JobObserver;
+  // One job's series. The families own the metrics; a scrape removes them only when no observer
+  // holds them (`holders` is 0), so an observer never points at a removed metric.
   struct JobSeries {
     prometheus::Counter* steps = nullptr;
     prometheus::Counter* params = nullptr;
     prometheus::Histogram* bucket_seconds = nullptr;
     uint64_t generation = 0;  // the scrape generation it was created in
+    // Observers alive: raised under mu_ (ObserverFor), lowered (release) by an observer's end.
+    std::atomic<int> holders{0};
   };
 
-  // The job's series, created on first use.
-  JobSeries& SeriesLocked(const std::string& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a scrape returns: the registry's figures, then the optimizer's (after dropping the
   // series of jobs that are gone).
   std::vector<prometheus::MetricFamily> Collect() const;
@@ -111,10 +116,10 @@ class Metrics final {
   std::unique_ptr<prometheus::Exposer> exposer_;
 
   // A scrape prunes the series of released jobs, hence mutable.
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   const Registry* registry_ ABSL_GUARDED_BY(mu_) = nullptr;
   mutable uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
-  mutable std::map<std::string, JobSeries> jobs_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::string, std::shared_ptr<JobSeries>> jobs_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tsd

@@ -1,14 +1,22 @@
 #include "daemon/ops/reload.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "daemon/ops/logging.h"
 #include "daemon/memory/memlock.h"
+#include "daemon/ops/logging.h"
+#include "daemon/ops/settings.h"
 #include "proto/wire.h"
 
 namespace tsd {
+
+const std::vector<absl::string_view>& Reloader::LiveKeys() {
+  static const auto* keys =
+      new std::vector<absl::string_view>{"log_level", "pool_size", "max_job_quota", "orphan_grace"};
+  return *keys;
+}
 
 absl::StatusOr<std::string> Reloader::Reload() {
   auto loaded = LoadConfig(current_.args);
@@ -26,18 +34,13 @@ absl::StatusOr<std::string> Reloader::Reload() {
 absl::StatusOr<std::string> Reloader::Apply(const Config& next) {
   const Config& cur = current_;
   std::vector<std::string> fixed;
-  auto check_fixed = [&](const char* key, const std::string& was, const std::string& now) {
-    if (was != now) fixed.push_back(absl::StrCat(key, " '", was, "' -> '", now, "'"));
-  };
-  check_fixed("socket", cur.socket, next.socket);
-  check_fixed("socket_group", cur.socket_group, next.socket_group);
-  check_fixed("metrics_listen", cur.metrics_listen, next.metrics_listen);
-  check_fixed("optimizer_threads", std::to_string(cur.optimizer_threads),
-              std::to_string(next.optimizer_threads));
-  check_fixed("pin_optimizer_threads", cur.pin_optimizer_threads ? "true" : "false",
-              next.pin_optimizer_threads ? "true" : "false");
-  check_fixed("optimizer_nice", std::to_string(cur.optimizer_nice),
-              std::to_string(next.optimizer_nice));
+  for (const Setting& s : Settings()) {
+    const bool live = s.reload == ReloadPolicy::kLive &&
+                      std::find(LiveKeys().begin(), LiveKeys().end(), s.key) != LiveKeys().end();
+    if (live) continue;
+    const std::string was = s.Get(cur), now = s.Get(next);
+    if (was != now) fixed.push_back(absl::StrCat(s.key, " '", was, "' -> '", now, "'"));
+  }
   if (!fixed.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat(absl::StrJoin(fixed, ", "),

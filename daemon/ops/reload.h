@@ -2,20 +2,22 @@
 // job: it parses the saved command line again (so flags keep winning) over the config file read
 // anew, and applies the difference all or nothing.
 //
-// Applied live: log_level, pool_size (larger, or smaller but not below what jobs hold),
-// max_job_quota (for jobs created from now on; existing jobs keep their quota), orphan_grace.
-// Not applied live: socket, socket_group, metrics_listen (they would need new sockets),
-// optimizer_threads, pin_optimizer_threads and optimizer_nice (the engine's threads are started
+// Which settings a reload may change is the settings table's reload policy
+// (daemon/ops/settings.cc): applied live are log_level, pool_size (larger, or smaller but not below
+// what jobs hold), max_job_quota (for jobs created from now on; existing jobs keep their quota) and
+// orphan_grace; every other setting needs a restart (new sockets, the engine's threads are started
 // once). A reload that changes one of those, names a pool smaller than what is held, a pool too
 // large to lock, or a file that does not parse is refused as a whole: the error says why, and every
 // setting keeps its value.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/ops/config.h"
+#include "absl/strings/string_view.h"
 #include "daemon/jobs/registry.h"
+#include "daemon/ops/config.h"
 
 namespace tsd {
 
@@ -33,6 +35,10 @@ class Reloader final {
   absl::StatusOr<std::string> Apply(const Config& next);
 
   const Config& current() const { return current_; }
+
+  // The settings Apply knows how to change live. A setting the table marks live but that is not
+  // here is treated as needing a restart (config_test checks the two agree).
+  static const std::vector<absl::string_view>& LiveKeys();
 
  private:
   Config current_;

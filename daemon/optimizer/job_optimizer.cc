@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/ops/metrics.h"
 #include "proto/futex.h"
+#include "proto/status_macros.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
 
@@ -91,13 +91,13 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
     }
     p.groups.push_back(grp);
   }
-  auto moment = ToKernel(req.moment_dtype(), "moment_dtype", true);
-  if (!moment.ok()) return moment.status();
-  if (*moment == kernels::DType::kF16) {
+  TSD_ASSIGN_OR_RETURN(const kernels::DType moment,
+                       ToKernel(req.moment_dtype(), "moment_dtype", true));
+  if (moment == kernels::DType::kF16) {
     return absl::InvalidArgumentError(
         "moment_dtype must be F32 or BF16 (F16 moments are not supported)");
   }
-  p.moment_dtype = *moment;
+  p.moment_dtype = moment;
   if (!std::isfinite(req.max_grad_norm()) || req.max_grad_norm() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_grad_norm must be >= 0 (got ", req.max_grad_norm(), ")"));
@@ -157,14 +157,15 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
 }
 
 JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions,
-                           WorkerPool& pool, kernels::Isa isa, Metrics* metrics)
+                           WorkerPool& pool, kernels::Isa isa,
+                           std::shared_ptr<OptimizerObserver> observer)
     : job_(std::move(job)),
       plan_(std::move(plan)),
       regions_(std::move(regions)),
       pool_(pool),
       queue_(pool.NewQueue()),
       isa_(isa),
-      metrics_(metrics) {
+      observer_(std::move(observer)) {
   page_ =
       wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
   page_.header->magic = wire::kControlPageMagic;
@@ -207,7 +208,7 @@ void JobOptimizer::Stop() {
 }
 
 std::string JobOptimizer::failure() const {
-  std::lock_guard<std::mutex> lock(failure_mu_);
+  MutexLock lock(failure_mu_);
   return failure_;
 }
 
@@ -219,7 +220,7 @@ void JobOptimizer::Kick() {
 void JobOptimizer::Fail(const std::string& why) {
   if (failed_.exchange(true)) return;
   {
-    std::lock_guard<std::mutex> lock(failure_mu_);
+    MutexLock lock(failure_mu_);
     failure_ = why;
   }
   const size_t n = std::min(why.size(), sizeof(page_.header->error) - 1);
@@ -251,7 +252,7 @@ void JobOptimizer::DispatchLoop() {
 bool JobOptimizer::Scan() {
   // SaveState/LoadState (side-socket thread) read the dispatcher's own fields (done_local, held,
   // committed_local_) and must not see a delivery taken half-way: they hold this mutex too.
-  std::lock_guard<std::mutex> lock(state_mu_);
+  MutexLock lock(state_mu_);
   // Read the commit counter first: the client bumps it after marking its deliveries, so every
   // delivery before the commit is visible below.
   const uint64_t commit = page_.header->commit.load(std::memory_order_acquire);
@@ -442,15 +443,15 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
       [this, b, after = std::move(after)] {
         const BucketRun& r = *runs_[b];
         page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
-        if (metrics_ != nullptr) {
+        if (observer_ != nullptr) {
           const double seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
-          metrics_->RecordBucketUpdate(job_, seconds, static_cast<uint64_t>(r.plan.numel));
+          observer_->OnBucketUpdate(seconds, static_cast<uint64_t>(r.plan.numel));
           // A job's step count is the highest step any of its buckets reached.
           int64_t seen = max_step_.load(std::memory_order_relaxed);
           while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
           }
-          if (r.steps > seen) metrics_->RecordStep(job_);
+          if (r.steps > seen) observer_->OnStep(r.steps);
         }
         after();
       });

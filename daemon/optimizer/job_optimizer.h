@@ -18,21 +18,21 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "daemon/optimizer/worker_pool.h"
 #include "daemon/memory/region.h"
+#include "daemon/optimizer/observer.h"
+#include "daemon/optimizer/worker_pool.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/control_page.h"
+#include "proto/mutex.h"
 #include "proto/tsd.pb.h"
 
 namespace tsd {
-
-class Metrics;
 
 // Where one bucket's data lives (byte offsets into the optimizer's regions).
 struct BucketPlan {
@@ -73,9 +73,9 @@ class JobOptimizer final {
   static absl::StatusOr<OptimizerPlan> Plan(const v1::RegisterOptimizerRequest& request,
                                             uint64_t max_bytes);
 
-  // `metrics` (may be null) receives each bucket update's latency and each step.
+  // `observer` (may be null) receives each bucket update's latency and each step.
   JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions regions, WorkerPool& pool,
-               kernels::Isa isa, Metrics* metrics = nullptr);
+               kernels::Isa isa, std::shared_ptr<OptimizerObserver> observer = nullptr);
   ~JobOptimizer();
   JobOptimizer(const JobOptimizer&) = delete;
   JobOptimizer& operator=(const JobOptimizer&) = delete;
@@ -86,17 +86,19 @@ class JobOptimizer final {
   void Stop();
   // True once the page was found invalid; `failure()` says why.
   bool failed() const { return failed_.load(); }
-  std::string failure() const;
+  std::string failure() const ABSL_LOCKS_EXCLUDED(failure_mu_);
   const OptimizerPlan& plan() const { return plan_; }
 
   // Writes the state as safetensors into `fd` (a regular file or memfd); returns bytes written.
-  absl::StatusOr<uint64_t> SaveState(int fd);
+  absl::StatusOr<uint64_t> SaveState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
   // Reads state written by SaveState; validates everything before changing anything.
-  absl::StatusOr<uint64_t> LoadState(int fd);
+  absl::StatusOr<uint64_t> LoadState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
 
  private:
   // The dispatcher's view of one bucket (workers touch only the atomics, `partial` and `held`,
-  // `sumsq` before releasing `busy`).
+  // `sumsq` before releasing `busy`). `done_local` and `held` are read by SaveState/LoadState
+  // under state_mu_, which the dispatcher holds while it changes them (Scan); an annotation
+  // cannot name the optimizer's mutex from here, so the methods are annotated instead.
   struct BucketRun {
     BucketPlan plan;
     float* master = nullptr;
@@ -120,12 +122,12 @@ class JobOptimizer final {
 
   void DispatchLoop();
   // One pass over the page; returns false after a failure.
-  bool Scan();
-  bool TakeDelivery(size_t b, uint64_t ready);
+  bool Scan() ABSL_LOCKS_EXCLUDED(state_mu_);
+  bool TakeDelivery(size_t b, uint64_t ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // Clipping: sums the squares of the bucket's final gradient (its grad slot, or the accumulator)
   // on the pool, then holds the bucket until the commit.
   void HoldForCommit(size_t b, bool from_accum);
-  void MaybeApplyCommit();
+  void MaybeApplyCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
   // runs once after the last chunk.
   void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
@@ -135,7 +137,7 @@ class JobOptimizer final {
   void CompleteDelivery(size_t b);
   void Kick();
   void Fail(const std::string& why);
-  bool Idle() const;
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   const std::string job_;
   const OptimizerPlan plan_;
@@ -143,23 +145,24 @@ class JobOptimizer final {
   WorkerPool& pool_;
   std::shared_ptr<WorkerPool::Queue> queue_;
   const kernels::Isa isa_;
-  Metrics* const metrics_;
+  const std::shared_ptr<OptimizerObserver> observer_;
   std::atomic<int64_t> max_step_{0};  // the highest step any bucket reached (a job's step count)
   wire::ControlView page_;
   std::vector<std::unique_ptr<BucketRun>> runs_;
 
-  // Commit (clipping) state, dispatcher-owned except `commit_left_`.
-  uint64_t committed_local_ = 0;
-  bool commit_running_ = false;
+  // Serialises SaveState/LoadState with each other and with the dispatcher's Scan (which writes
+  // the fields they read); uncontended on the hot path.
+  Mutex state_mu_;
+  // Commit (clipping) state: the dispatcher's (under state_mu_, taken by Scan), except
+  // `commit_left_`, which the last bucket of a commit counts down on a worker.
+  uint64_t committed_local_ ABSL_GUARDED_BY(state_mu_) = 0;
+  bool commit_running_ ABSL_GUARDED_BY(state_mu_) = false;
   std::atomic<int64_t> commit_left_{0};
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};
-  mutable std::mutex failure_mu_;
-  std::string failure_;
-  // Serialises SaveState/LoadState with each other and with the dispatcher's Scan (which writes
-  // the fields they read); uncontended on the hot path.
-  std::mutex state_mu_;
+  mutable Mutex failure_mu_;
+  std::string failure_ ABSL_GUARDED_BY(failure_mu_);
   std::thread dispatcher_;
 };
 

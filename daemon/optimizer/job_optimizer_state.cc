@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/optimizer/job_optimizer.h"
+#include "proto/status_macros.h"
 
 namespace tsd {
 namespace {
@@ -80,8 +81,8 @@ absl::Status ReadAll(int fd, char* p, uint64_t n, uint64_t offset) {
 }  // namespace
 
 absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
-  if (absl::Status s = CheckFile(fd); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(state_mu_);
+  TSD_RETURN_IF_ERROR(CheckFile(fd));
+  MutexLock lock(state_mu_);
   if (!Idle()) {
     return absl::FailedPreconditionError(
         "the optimizer has deliveries in flight; save between steps (wait for every bucket first)");
@@ -121,19 +122,19 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
   if (ftruncate(fd, 0) != 0)
     return absl::InvalidArgumentError(
         absl::StrCat("cannot truncate the state file: ", std::strerror(errno)));
-  if (absl::Status s = WriteAll(fd, len_bytes, 8, 0); !s.ok()) return s;
-  if (absl::Status s = WriteAll(fd, h.data(), hlen, 8); !s.ok()) return s;
+  TSD_RETURN_IF_ERROR(WriteAll(fd, len_bytes, 8, 0));
+  TSD_RETURN_IF_ERROR(WriteAll(fd, h.data(), hlen, 8));
   uint64_t pos = 8 + hlen;
   for (const auto& e : entries) {
-    if (absl::Status s = WriteAll(fd, e.data, e.bytes, pos); !s.ok()) return s;
+    TSD_RETURN_IF_ERROR(WriteAll(fd, e.data, e.bytes, pos));
     pos += e.bytes;
   }
   return pos;
 }
 
 absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
-  if (absl::Status s = CheckFile(fd); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(state_mu_);
+  TSD_RETURN_IF_ERROR(CheckFile(fd));
+  MutexLock lock(state_mu_);
   if (!Idle())
     return absl::FailedPreconditionError(
         "the optimizer has deliveries in flight; load between steps");
@@ -151,7 +152,7 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
         absl::StrCat("the state file's header length ", hlen, " is not plausible"));
   }
   std::string h(hlen, '\0');
-  if (absl::Status s = ReadAll(fd, h.data(), hlen, 8); !s.ok()) return s;
+  TSD_RETURN_IF_ERROR(ReadAll(fd, h.data(), hlen, 8));
   const nlohmann::json header = nlohmann::json::parse(h, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object())
     return absl::InvalidArgumentError("the state file's header is not JSON");
@@ -219,7 +220,7 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   std::vector<char> staging(total);
   uint64_t at = 0;
   for (const auto& s : sources) {
-    if (absl::Status st = ReadAll(fd, staging.data() + at, s.bytes, s.begin); !st.ok()) return st;
+    TSD_RETURN_IF_ERROR(ReadAll(fd, staging.data() + at, s.bytes, s.begin));
     at += s.bytes;
   }
   at = 0;

@@ -45,10 +45,10 @@ WorkerPool::WorkerPool(int threads, bool pin, int nice) {
 
 WorkerPool::~WorkerPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     stopping_ = true;
   }
-  work_cv_.notify_all();
+  work_cv_.NotifyAll();
   for (auto& t : workers_) t.join();
 }
 
@@ -58,7 +58,7 @@ void WorkerPool::Submit(const std::shared_ptr<Queue>& queue,
                         std::vector<std::function<void()>> tasks) {
   if (tasks.empty()) return;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (queue->cancelled) return;
     for (auto& t : tasks) queue->tasks.push_back(std::move(t));
     if (!queue->listed) {
@@ -67,28 +67,33 @@ void WorkerPool::Submit(const std::shared_ptr<Queue>& queue,
     }
   }
   if (tasks.size() == 1) {
-    work_cv_.notify_one();
+    work_cv_.NotifyOne();
   } else {
-    work_cv_.notify_all();
+    work_cv_.NotifyAll();
   }
 }
 
 void WorkerPool::Cancel(const std::shared_ptr<Queue>& queue) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   queue->cancelled = true;
   queue->tasks.clear();
   if (queue->listed) {
     ready_.remove(queue);
     queue->listed = false;
   }
-  idle_cv_.wait(lock, [&] { return queue->running == 0; });
+  while (queue->running != 0) idle_cv_.Wait(mu_);
 }
 
 void WorkerPool::Work() {
-  std::unique_lock<std::mutex> lock(mu_);
+  // Held except while a task runs (explicit Lock/Unlock rather than a scoped lock, so the
+  // analysis follows the hand-over).
+  mu_.Lock();
   for (;;) {
-    work_cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
-    if (stopping_) return;
+    while (!stopping_ && ready_.empty()) work_cv_.Wait(mu_);
+    if (stopping_) {
+      mu_.Unlock();
+      return;
+    }
     // Take one task from the queue at the front, then send that queue to the back: round robin.
     std::shared_ptr<Queue> q = ready_.front();
     ready_.pop_front();
@@ -100,11 +105,11 @@ void WorkerPool::Work() {
       q->listed = false;
     }
     ++q->running;
-    lock.unlock();
+    mu_.Unlock();
     task();
-    lock.lock();
+    mu_.Lock();
     --q->running;
-    if (q->cancelled && q->running == 0) idle_cv_.notify_all();
+    if (q->cancelled && q->running == 0) idle_cv_.NotifyAll();
   }
 }
 

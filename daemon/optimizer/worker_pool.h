@@ -7,15 +7,16 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "proto/mutex.h"
 
 namespace tsd {
 
@@ -32,14 +33,18 @@ class WorkerPool final {
   // A queue for one job.
   std::shared_ptr<Queue> NewQueue();
   // Adds tasks to `queue`; they run in the order given, interleaved fairly with other queues.
-  void Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks);
+  void Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the queue's pending tasks and waits for its running ones; later Submits are ignored.
-  void Cancel(const std::shared_ptr<Queue>& queue);
+  void Cancel(const std::shared_ptr<Queue>& queue) ABSL_LOCKS_EXCLUDED(mu_);
   int threads() const { return static_cast<int>(workers_.size()); }
   // 0, or the errno of the first worker that could not set its nice value (e.g. EACCES for a
   // negative one without CAP_SYS_NICE); known once the constructor returned.
   int nice_errno() const { return nice_errno_.load(); }
 
+  // A job's tasks. Its fields belong to the pool: they are read and written only under the
+  // pool's mu_ (an annotation cannot name another object's mutex, so WorkerPool's methods that
+  // touch them are the ones annotated).
   class Queue {
    private:
     friend class WorkerPool;
@@ -50,13 +55,14 @@ class WorkerPool final {
   };
 
  private:
-  void Work();
+  void Work() ABSL_LOCKS_EXCLUDED(mu_);
 
-  std::mutex mu_;
-  std::condition_variable work_cv_;          // tasks arrived, or stopping
-  std::condition_variable idle_cv_;          // a task finished (for Cancel)
-  std::list<std::shared_ptr<Queue>> ready_;  // queues with tasks, in round-robin order
-  bool stopping_ = false;
+  Mutex mu_;
+  CondVar work_cv_;  // tasks arrived, or stopping
+  CondVar idle_cv_;  // a task finished (for Cancel)
+  // Queues with tasks, in round-robin order.
+  std::list<std::shared_ptr<Queue>> ready_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int> nice_errno_{0};
   std::vector<std::thread> workers_;
 };

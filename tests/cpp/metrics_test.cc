@@ -1,6 +1,7 @@
-// The Metrics class on its own: what the optimizer engine's Record* calls export, that pool and
-// job figures come from the Registry at each scrape, and that a released job's series go away.
-#include "daemon/metrics.h"
+// The Metrics class on its own: what the optimizer engine's observer calls export, that pool and
+// job figures come from the Registry at each scrape, and that a released job's series go away
+// (but not while an observer of them is held).
+#include "daemon/ops/metrics.h"
 
 #include <unistd.h>
 
@@ -9,7 +10,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "daemon/registry.h"
+#include "daemon/jobs/registry.h"
 
 namespace tsd {
 namespace {
@@ -55,11 +56,12 @@ TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
   v1::SessionRef ref;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
-  metrics.RecordBucketUpdate("job-a", 0.0003, 1000);
-  metrics.RecordBucketUpdate("job-a", 0.002, 500);
-  metrics.RecordStep("job-a");
-  metrics.RecordStep("job-a");
-  metrics.RecordStep("job-a");
+  auto observer = metrics.ObserverFor("job-a");
+  observer->OnBucketUpdate(0.0003, 1000);
+  observer->OnBucketUpdate(0.002, 500);
+  observer->OnStep(1);
+  observer->OnStep(2);
+  metrics.ObserverFor("job-a")->OnStep(3);  // a second observer of the job adds to the same series
   const std::string text = metrics.Render();
   EXPECT_THAT(text, HasSubstr("# TYPE tsd_optimizer_steps_total counter\n"));
   EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 3\n"));
@@ -79,20 +81,36 @@ TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
   v1::SessionRef ref;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
-  metrics.RecordStep("job-a");
+  metrics.ObserverFor("job-a")->OnStep(1);
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 1\n"));
   ASSERT_TRUE(registry->Detach(ref).ok());  // the last session: the job is released
   const std::string text = metrics.Render();
   EXPECT_THAT(text, Not(HasSubstr("job-a")));
   EXPECT_THAT(text, HasSubstr("tsd_jobs 0\n"));
   // Series of a job the registry does not hold are dropped by the next scrape too.
-  metrics.RecordStep("job-b");
+  metrics.ObserverFor("job-b")->OnStep(1);
   EXPECT_THAT(metrics.Render(), Not(HasSubstr("job-b")));
+}
+
+// An optimizer may outlive its job's entry in the registry for a moment (work in flight): its
+// observer keeps the series, so it never records into a removed metric, and they go once it ends.
+TEST(Metrics, AHeldObserverKeepsItsSeriesUntilItIsDropped) {
+  v1::SessionRef ref;
+  auto registry = RegistryWithJob("job-a", &ref);
+  Metrics metrics(*registry);
+  auto observer = metrics.ObserverFor("job-a");
+  ASSERT_TRUE(registry->Detach(ref).ok());  // the job is released, its optimizer not yet gone
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 0\n"));
+  observer->OnStep(1);
+  observer->OnBucketUpdate(0.001, 10);
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 1\n"));
+  observer.reset();
+  EXPECT_THAT(metrics.Render(), Not(HasSubstr("job-a")));
 }
 
 TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
   Metrics metrics;  // as the daemon makes it, before its Registry
-  metrics.RecordStep("early");
+  metrics.ObserverFor("early")->OnStep(1);
   const std::string text = metrics.Render();
   EXPECT_THAT(text, HasSubstr("tsd_build_info{version="));
   EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));

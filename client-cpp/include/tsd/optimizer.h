@@ -14,7 +14,8 @@
 //   (*opt)->Wait(0);                                                // before the bucket is used
 //
 // Methods for different buckets may be called from different threads; one bucket is driven by
-// one thread at a time.
+// one thread at a time. Commit may be called from any thread: concurrent commits are serialised
+// (the daemon requires the commit counter to advance one step at a time).
 #pragma once
 
 #include <cstdint>
@@ -111,7 +112,10 @@ class Optimizer final {
     DType grad_dtype = DType::kF32, param_dtype = DType::kF32;
     uint64_t master_offset = 0, grad_offset = 0, param_offset = 0;
   };
-  Optimizer() = default;
+  // The commit counter and the lock that serialises commits (defined in optimizer.cc, so this
+  // installed header needs no mutex type of tsd's).
+  struct CommitState;
+  Optimizer();
   // Waits until `done()` or the daemon reports a failure or disappears.
   template <typename Done>
   absl::Status WaitUntil(Done done, absl::Duration timeout, const char* what);
@@ -121,7 +125,7 @@ class Optimizer final {
   std::shared_ptr<Region> control_, master_, grads_, params_;
   std::vector<Bucket> buckets_;
   size_t groups_ = 0;
-  uint64_t commits_ = 0;
+  const std::unique_ptr<CommitState> commit_;
   std::string isa_;
   uint32_t threads_ = 0;
   uint64_t state_bytes_ = 0;

@@ -1,0 +1,151 @@
+#include "daemon/ops/settings.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tsd {
+
+const std::vector<Setting>& Settings() {
+  using T = SettingType;
+  using R = ReloadPolicy;
+  static const auto* settings = new std::vector<Setting>{
+      {.key = "socket",
+       .flag = "--socket",
+       .help = "control socket path; the side socket is the same path with .sock replaced by "
+               ".fd.sock",
+       .type = T::kText,
+       .field = &Config::socket,
+       .default_value = "",
+       .reload = R::kRestart,
+       .default_help = "$RUNTIME_DIRECTORY/tsd.sock under systemd, else /run/tsd/tsd.sock as "
+                       "root, else $XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock"},
+      {.key = "socket_group",
+       .flag = "--socket-group",
+       .help = "group whose members may connect (sockets 0660, directory 0770)",
+       .type = T::kText,
+       .field = &Config::socket_group,
+       .default_value = "",
+       .reload = R::kRestart,
+       .default_help = "the daemon's own group"},
+      {.key = "pool_size",
+       .flag = "--pool-size",
+       .help = "host memory the daemon lends: 64GiB, 512MiB or 60% of RAM",
+       .type = T::kSize,
+       .field = &Config::pool_size,
+       .default_value = "50%",
+       .reload = R::kLive},
+      {.key = "max_job_quota",
+       .flag = "--max-job-quota",
+       .help = "largest quota one job may hold: a size or a share of the pool",
+       .type = T::kSize,
+       .field = &Config::max_job_quota,
+       .default_value = "100%",
+       .reload = R::kLive},
+      {.key = "orphan_grace",
+       .flag = "--orphan-grace",
+       .help = "keep a job's memory this long after its last session died",
+       .type = T::kDuration,
+       .field = &Config::orphan_grace,
+       .default_value = "0s",
+       .reload = R::kLive},
+      {.key = "log_level",
+       .flag = "--log-level",
+       .help = "trace, debug, info, warn, error, critical or off",
+       .type = T::kChoice,
+       .field = &Config::log_level,
+       .default_value = "info",
+       .reload = R::kLive,
+       .choices = {"trace", "debug", "info", "warn", "error", "critical", "off"}},
+      // The last --metrics-listen wins, so a wrapper can turn the endpoint off by default and a
+      // caller can still name a port after it.
+      {.key = "metrics_listen",
+       .flag = "--metrics-listen",
+       .help = "serve Prometheus metrics at http://HOST:PORT/metrics (\"\" turns it off)",
+       .type = T::kAddress,
+       .field = &Config::metrics_listen,
+       .default_value = "127.0.0.1:9464",
+       .reload = R::kRestart,
+       .last_flag_wins = true},
+      {.key = "optimizer_threads",
+       .flag = "--optimizer-threads",
+       .help = "optimizer worker threads (0: every CPU the daemon may use)",
+       .type = T::kInt,
+       .field = &Config::optimizer_threads,
+       .default_value = "0",
+       .reload = R::kRestart,
+       .min = 0,
+       .max = 4096},
+      {.key = "pin_optimizer_threads",
+       .flag = "--pin-optimizer-threads",
+       .help = "pin each optimizer worker to one CPU",
+       .type = T::kBool,
+       .field = &Config::pin_optimizer_threads,
+       .default_value = "false",
+       .reload = R::kRestart},
+      {.key = "optimizer_nice",
+       .flag = "--optimizer-nice",
+       .help = "nice value of the optimizer workers, -20..19; above 0 they give way to the "
+               "trainers' own threads",
+       .type = T::kInt,
+       .field = &Config::optimizer_nice,
+       .default_value = "10",
+       .reload = R::kRestart,
+       .min = -20,
+       .max = 19},
+  };
+  return *settings;
+}
+
+const Setting* FindSetting(absl::string_view key) {
+  for (const Setting& s : Settings()) {
+    if (s.key == key) return &s;
+  }
+  return nullptr;
+}
+
+std::string SettingKeys() {
+  return absl::StrJoin(Settings(), ", ",
+                       [](std::string* out, const Setting& s) { absl::StrAppend(out, s.key); });
+}
+
+std::string Setting::Get(const Config& config) const {
+  if (const auto* s = std::get_if<std::string Config::*>(&field)) return config.**s;
+  if (const auto* i = std::get_if<int Config::*>(&field)) return std::to_string(config.**i);
+  return config.*std::get<bool Config::*>(field) ? "true" : "false";
+}
+
+std::string Setting::Expected() const {
+  switch (type) {
+    case SettingType::kInt:
+      return absl::StrCat("an integer in [", min, ", ", max, "]");
+    case SettingType::kBool:
+      return "true or false";
+    case SettingType::kChoice:
+      return absl::StrCat("one of ", absl::StrJoin(choices, ", "));
+    default:
+      return "a string";
+  }
+}
+
+absl::Status Setting::Set(Config& config, absl::string_view text) const {
+  if (const auto* s = std::get_if<std::string Config::*>(&field)) {
+    config.** s = std::string(text);
+    return absl::OkStatus();
+  }
+  const auto wrong = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", key, "' must be ", Expected(), ", not '", text, "'"));
+  };
+  if (const auto* i = std::get_if<int Config::*>(&field)) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(text, &v) || v < min || v > max) return wrong();
+    config.** i = static_cast<int>(v);
+    return absl::OkStatus();
+  }
+  if (text != "true" && text != "false") return wrong();
+  config.*std::get<bool Config::*>(field) = text == "true";
+  return absl::OkStatus();
+}
+
+}  // namespace tsd
