@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,10 +17,27 @@ namespace tsd {
 
 absl::StatusOr<InstanceLock> InstanceLock::Acquire(const std::string& socket_path) {
   const std::string path = wire::LockFilePath(socket_path);
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // O_NOFOLLOW: a symlink planted at the lock path by another user must never make tsd truncate
+  // and write the file it points to (tsd may run as root).
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
+    if (errno == ELOOP) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "lock file ", path, " is a symbolic link; tsd refuses to follow it (another user may ",
+          "have planted it). Remove it, check who created it, and start tsd again"));
+    }
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open lock file ", path, ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    const bool regular = S_ISREG(st.st_mode);
+    const uid_t owner = st.st_uid;
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "lock file ", path, regular ? "" : " is not a regular file",
+        regular ? absl::StrCat(" is owned by uid ", owner, ", not by tsd's uid ", geteuid()) : "",
+        "; tsd refuses to use it. Remove it (and check who created it), then start tsd again"));
   }
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     char buf[32] = {};
