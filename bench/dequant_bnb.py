@@ -9,8 +9,8 @@ It uses tsd's kernels through ``libtsd_quant.so`` (ctypes; kernels/capi/tsd_quan
 1. random bf16 weights (std 0.02) of ``--elements`` elements are quantized to NF4 by tsd's CPU
    kernel (block ``--block-size``, default 64, no double quantization);
 2. tsd's CUDA kernel and ``bitsandbytes.functional.dequantize_4bit`` dequantize those codes and
-   absmax to bf16; the two outputs must be bit-identical (exit status 1 otherwise), and tsd's CUDA
-   output must equal tsd's CPU dequantize;
+   absmax to bf16 (and to fp16 and fp32 for the first 2^24 elements); the outputs must be
+   bit-identical (exit status 1 otherwise), and tsd's CUDA output must equal tsd's CPU dequantize;
 3. the median time of each over ``--iters`` runs, and of a copy of the same output size, give the
    bytes moved per second (codes + absmax read + output written; the copy: read + written).
 
@@ -72,26 +72,32 @@ def tsd_dequantize_cpu(lib: ctypes.CDLL, codes: torch.Tensor, absmax: torch.Tens
     return out
 
 
+DTYPE_CODE = {torch.float32: 0, torch.bfloat16: BF16, torch.float16: 2}
+
+
 def tsd_dequantize_cuda(lib: ctypes.CDLL, codes: torch.Tensor, absmax: torch.Tensor, n: int, block_size: int,
                         out: torch.Tensor) -> None:
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     rc = lib.tsd_quant_cuda_dequantize(NF4, codes.data_ptr(), absmax.data_ptr(), n, block_size, out.data_ptr(),
-                                       BF16, stream)
+                                       DTYPE_CODE[out.dtype], stream)
     if rc != 0:
         sys.exit(f"tsd CUDA dequantize failed: {lib.tsd_quant_cuda_error_string(rc).decode()}")
 
 
-def median_ms(fn, iters: int) -> float:
+def median_ms(fn, iters: int, reps: int = 5) -> float:
+    """Median over `iters` of the GPU time of `reps` back-to-back calls, divided by reps (so the
+    host's launch overhead of one call is hidden behind the previous call's kernel)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop))
+        times.append(start.elapsed_time(stop) / reps)
     return statistics.median(times)
 
 
@@ -128,6 +134,19 @@ def main() -> int:
     cpu_equal = torch.equal(tsd_dequantize_cpu(lib, codes_cpu, absmax_cpu, n, bs).view(torch.int16),
                             out_tsd.cpu().view(torch.int16))
 
+    # fp16 and fp32 outputs too, on the first 2^24 elements.
+    m = min(n, 1 << 24)
+    other_dtypes_equal = True
+    for dtype in (torch.float16, torch.float32):
+        a = torch.empty(m, device="cuda", dtype=dtype)
+        b = torch.empty(m, device="cuda", dtype=dtype)
+        tsd_dequantize_cuda(lib, codes[: m // 2], absmax, m, bs, a)
+        dequantize_4bit(codes[: m // 2].view(-1, 1), absmax=absmax[: -(-m // bs)], out=b, blocksize=bs,
+                        quant_type="nf4")
+        view = torch.int32 if dtype == torch.float32 else torch.int16
+        other_dtypes_equal &= bool(torch.equal(a.view(view), b.view(view)))
+        del a, b
+
     bnb_codes, bnb_state = quantize_4bit(w, blocksize=bs, quant_type="nf4", compress_statistics=False)
     codes_equal = float((bnb_codes.reshape(-1) == codes).float().mean())
     absmax_equal = bool(torch.equal(bnb_state.absmax.reshape(-1).float(), absmax))
@@ -158,13 +177,14 @@ def main() -> int:
         "tsd_speedup_vs_bnb": round(bnb_ms / tsd_ms, 3),
         "bnb_dequant_of_tsd_codes_bit_identical": mismatches == 0,
         "mismatched_elements": mismatches,
+        "fp16_fp32_outputs_bit_identical": other_dtypes_equal,
         "tsd_cuda_equals_tsd_cpu": cpu_equal,
         "bnb_quantize_codes_equal_fraction": codes_equal,
         "bnb_quantize_absmax_equal": absmax_equal,
         "tsd_cpu_isa": lib.tsd_quant_cpu_isa().decode(),
     }
     print(json.dumps(result))
-    return 0 if mismatches == 0 and cpu_equal else 1
+    return 0 if mismatches == 0 and cpu_equal and other_dtypes_equal else 1
 
 
 if __name__ == "__main__":
