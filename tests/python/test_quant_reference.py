@@ -126,3 +126,19 @@ def test_bad_block_size_refused(lib: ctypes.CDLL) -> None:
         cpp_quantize(lib, torch.ones(10), "nf4", 3)
     with pytest.raises(ValueError):
         ref.quantize(torch.ones(10), "nf4", 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bitsandbytes_reads_tsd_nf4(lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    """bitsandbytes' dequantize_4bit (its CPU path) of tsd's NF4 codes and absmax gives tsd's bits.
+    Skips where bitsandbytes is not importable; bench/dequant_bnb.py checks its CUDA path."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    n, block_size = 1 << 16, 64
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 0.02).to(dtype)
+    codes, absmax = cpp_quantize(lib, x, "nf4", block_size)
+    state = bnb_functional.QuantState(absmax=torch.from_numpy(absmax), shape=torch.Size([n]), dtype=dtype,
+                                      blocksize=block_size, quant_type="nf4")
+    got = bnb_functional.dequantize_4bit(torch.from_numpy(codes).view(-1, 1), quant_state=state).reshape(-1)
+    want = cpp_dequantize(lib, codes, absmax, "nf4", block_size, n, dtype)
+    int_view = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(int_view), want.view(int_view))
