@@ -137,6 +137,9 @@ class Region:
             numel = max(0, self.size - offset) // item
         if numel < 0:
             raise ValueError(f"numel must be >= 0, not {numel}")
+        if offset + numel * item > self.size:
+            raise ValueError(f"{numel} elements of {dtype} at byte {offset} are outside region {self.name!r} of "
+                             f"{self.size} bytes")
         data = self._h.bytes(offset, numel * item)
         return data if dtype == torch.uint8 else data.view(dtype)
 
