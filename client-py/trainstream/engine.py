@@ -23,7 +23,7 @@ that they did not change in between. With clipping, they are written at `step()`
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -34,6 +34,9 @@ from .memory import HostArena, PinnedHost
 from .paging.activations import ActivationPager
 from .planner import Budget
 
+# One bucket's optimizer state as flat tensors: (fp32 master, exp_avg, exp_avg_sq, step).
+BucketState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
 
 class ParamSlots:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
@@ -41,9 +44,13 @@ class ParamSlots:
     __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook",
                  "orig_dtype")
 
-    def __init__(self, param, bucket, group, index):
+    def __init__(self, param: torch.nn.Parameter, bucket: int, group: int, index: int) -> None:
         self.param, self.bucket, self.group, self.index = param, bucket, group, index
-        self.master = self.grad_slot = self.param_slot = self.hook = None
+        # 1-D tensors aliasing the bucket's slots in tsd's memory (set by wrap(), dropped at release).
+        self.master: Any = None
+        self.grad_slot: Any = None
+        self.param_slot: Any = None
+        self.hook: Optional[torch.utils.hooks.RemovableHandle] = None
         self.version = -1
         self.orig_dtype = param.dtype  # before param_dtype= cast it (restored by unwrap / the switch to stock)
 
@@ -54,8 +61,8 @@ class Session:
     `trainstream.unwrap_session(model)` returns it. `budget` is what the caller passed to wrap()
     (its None fields are measured when needed)."""
 
-    def __init__(self, device, client: Client, owns_client: bool, options: dict[str, Any],
-                 budget: Optional[Budget] = None):
+    def __init__(self, device: Union[str, torch.device], client: Client, owns_client: bool, options: dict[str, Any],
+                 budget: Optional[Budget] = None) -> None:
         self.budget = budget if budget is not None else Budget()
         self.arena: Optional[HostArena] = None  # with activation_offload=: host memory lent by tsd
         self.device = torch.device(device)
@@ -82,23 +89,23 @@ class Session:
         self.hyper: Optional[list[tuple[float, ...]]] = None  # hyperparameters written for this step, per group
         self.steps = 0            # optimizer steps applied
         self.step_times: list[float] = []
-        self.side_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.side_stream: Any = torch.cuda.Stream(device=self.device) if self.cuda else None
 
     # ---- hyperparameters
-    def group_hyper(self, optimizer):
+    def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
         out = []
         for g in optimizer.param_groups:
             b1, b2 = g["betas"]
             out.append(tuple(float(x) for x in (g["lr"], b1, b2, g["eps"], g["weight_decay"])))
         return out
 
-    def write_hyper(self, optimizer):
+    def write_hyper(self, optimizer: torch.optim.Optimizer) -> None:
         self.hyper = self.group_hyper(optimizer)
         for gi, h in enumerate(self.hyper):
             self.handle.set_group(gi, *h)
 
     # ---- the gradient hook
-    def on_grad(self, optimizer, p):
+    def on_grad(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
         grad = p.grad
         if grad is None or not self.offloading:
             return
@@ -127,7 +134,7 @@ class Session:
         else:
             self.pending.add(b)
 
-    def deliver(self, ps, grad, first, final):
+    def deliver(self, ps: ParamSlots, grad: torch.Tensor, first: bool, final: bool) -> None:
         b = ps.bucket
         shape = ps.param.shape
         if not self.cuda:
@@ -148,11 +155,11 @@ class Session:
             grad.record_stream(stream)
             self.handle.ready_on_stream(stream.cuda_stream, b, first, final)
 
-    def sync_master(self, ps):
+    def sync_master(self, ps: ParamSlots) -> None:
         ps.master.view(ps.param.shape).copy_(ps.param.detach())
         ps.version = ps.param._version
 
-    def restore_dtypes(self, per_bucket):
+    def restore_dtypes(self, per_bucket: dict[int, BucketState]) -> None:
         """Gives parameters that param_dtype= cast back their own dtype, with the values of their
         fp32 masters (not the rounded working copies)."""
         for b, (master, _m, _v, _step) in per_bucket.items():
@@ -161,14 +168,14 @@ class Session:
             if p.dtype != ps.orig_dtype:
                 p.data = master.view(p.shape).to(device=p.device, dtype=ps.orig_dtype)
 
-    def raise_async(self):
+    def raise_async(self) -> None:
         err = self.handle.take_async_error() if self.handle is not None else None
         if err is not None:
             code, msg = err
             raise error_class(code)(msg, code)
 
     # ---- the end of a step
-    def finish_step(self, optimizer):
+    def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung
         self.raise_async()
@@ -211,7 +218,7 @@ class Session:
                 f"first gradient. Change hyperparameters before backward (LR schedulers do: call scheduler.step() "
                 f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
 
-    def idle(self):
+    def idle(self) -> None:
         """Waits until no delivery is in flight (between steps)."""
         if self.cuda:
             self.side_stream.synchronize()
@@ -220,7 +227,7 @@ class Session:
             self.handle.wait_all()
 
     # ---- state
-    def read_state(self):
+    def read_state(self) -> dict[int, BucketState]:
         """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, as flat tensors."""
         self.idle()
         fd = _state.new_file()
@@ -233,7 +240,7 @@ class Session:
         return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
                     int(tensors[e(b, "step")][0])) for b in range(len(self.params))}
 
-    def write_state(self, per_bucket, moment_dtype):
+    def write_state(self, per_bucket: dict[int, BucketState], moment_dtype: str) -> None:
         """Loads {bucket: (master, exp_avg, exp_avg_sq, step)} into the daemon (every bucket)."""
         self.idle()
         mdt = torch.float32 if moment_dtype == "float32" else torch.bfloat16
@@ -256,7 +263,7 @@ class Session:
             ps = self.params[b]
             ps.version = ps.param._version
 
-    def release(self, keep_pager=False):
+    def release(self, keep_pager: bool = False) -> None:
         """Removes the hooks and gives the job's memory back (when this session owns the client).
         `keep_pager`: activation paging stays on (the switch to stock AdamW: the VRAM it measured
         was with paging), its pages from torch's pinned memory from then on (the job is released)."""
@@ -276,7 +283,7 @@ class Session:
         self.offloading = False
         for ps in self.params:
             ps.master = ps.grad_slot = ps.param_slot = None
-        self.handle: Any = None  # the extension's Optimizer
+        self.handle = None
         if self.owns_client and self.client is not None:
             try:
                 self.client.close()

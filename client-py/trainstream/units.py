@@ -5,7 +5,8 @@
   `MB`, `GB`, `TB`: powers of 1000), a bare `K`/`M`/`G`/`T` is binary, as tsd reads it; case does
   not matter. tests/python/test_units.py checks the table against the daemon itself.
 * Dtypes: the names and sizes of the dtypes tsd's optimizer takes come from the extension
-  (`trainstream._C.DTYPES`, built from the C++ client's table), and so does the page size.
+  (`trainstream._C.DTYPES`, built from the C++ client's table), and so do the page size and the
+  control page's size (`control_page_bytes()`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ TSD_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTY
 # What wrap(moment_dtype=...) and wrap(param_dtype=...) accept, to tsd's names.
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MOMENT_DTYPES = ("float32", "bfloat16")
+
+
+def control_page_bytes(groups: int, buckets: int) -> int:
+    """The size of an optimizer's control page (proto/control_page.h), before page rounding."""
+    if groups < 0 or buckets < 0:
+        raise ValueError(f"groups and buckets are counts >= 0, not {groups}, {buckets}")
+    return int(_C.control_page_bytes(groups, buckets))
 
 
 def parse_bytes(value: Size) -> int:

@@ -117,10 +117,18 @@ def test_plan_optimizer_is_what_registration_charges_and_allocates_nothing(tsd):
     assert fp32.accum_bytes == fp32.master_bytes and bf16.accum_bytes == 0
     assert bf16.moment_bytes < fp32.moment_bytes
     assert fp32.buckets[0] == (0, 0, 0) and fp32.buckets[1][0] == 4032  # 1000 fp32 masters, 64-byte aligned
-    with trainstream.connect(socket=tsd.socket, job="dry-run") as c:
-        h = c._register_optimizer(groups=[HYPER, HYPER], buckets=buckets, accumulate=True)
-        assert h.state_bytes == fp32.state_bytes
-        assert next(j for j in c.jobs() if j.name == "dry-run").used_bytes == fp32.state_bytes
+    # What wrap() registers is what its plan (the dry run) said, to the byte.
+    model = make_gpt()
+    plan = trainstream.plan_wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                 accumulation_steps=2, moment_dtype="bfloat16")
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  accumulation_steps=2, moment_dtype="bfloat16", job="dry-run")
+    try:
+        with trainstream.connect(socket=tsd.socket) as c:
+            assert next(j for j in c.jobs() if j.name == "dry-run").used_bytes == plan.state_bytes
+        assert plan.demand.optimizer["bfloat16"].accum_bytes > 0
+    finally:
+        trainstream.unwrap(model)
 
 
 def test_plan_optimizer_checks_input_as_registration_does(tsd):

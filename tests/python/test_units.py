@@ -67,8 +67,8 @@ def test_dtypes_come_from_the_extension_and_match_torch():
 
 def test_page_and_control_page_sizes_come_from_the_headers(tsd):
     assert units.PAGE_BYTES == 4096
-    one = trainstream._C.control_page_bytes(1, 1)
-    more = trainstream._C.control_page_bytes(3, 100)
+    one = units.control_page_bytes(1, 1)
+    more = units.control_page_bytes(3, 100)
     assert 0 < one < more
     # The daemon's dry run charges the control page rounded up to pages: the same figure.
     with trainstream.connect(socket=tsd.socket) as c:

@@ -25,7 +25,7 @@ included) runs and is tested.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from ..memory import HostBlock, HostMemory, PinnedHost
 _MIN_BYTES = 1 << 20
 
 
-def _dense(t):
+def _dense(t: torch.Tensor) -> bool:
     """Whether `t` covers its memory exactly, in some order (contiguous, or e.g. a transposed
     result of an elementwise op): then a copy with the same strides is one flat memcpy."""
     if t.is_contiguous():
@@ -56,14 +56,15 @@ class _Page:
 
     __slots__ = ("block", "host", "event", "size", "stride", "dtype", "device", "uses", "cached")
 
-    def __init__(self, block, host, event, t):
+    def __init__(self, block: HostBlock, host: torch.Tensor, event: Optional[torch.cuda.Event], t: torch.Tensor) -> None:
         self.block: Optional[HostBlock] = block
-        self.host, self.event = host, event
+        self.host: Optional[torch.Tensor] = host
+        self.event: Optional[torch.cuda.Event] = event
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.uses = 1        # operations that saved this tensor (unpacks to expect)
-        self.cached = None   # the tensor back on the device, while more unpacks are expected
+        self.cached: Optional[torch.Tensor] = None  # back on the device, while more unpacks are expected
 
-    def __del__(self):
+    def __del__(self) -> None:
         block, self.block = self.block, None
         if block is not None:
             self.host = None
@@ -147,7 +148,7 @@ class ActivationPager:
     def reset_stats(self) -> None:
         self.paged_bytes = self.paged_tensors = 0
 
-    def _enter(self, module, args):
+    def _enter(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             self.hook_ctx.append(None)
             return
@@ -158,7 +159,7 @@ class ActivationPager:
         ctx.__enter__()
         self.hook_ctx.append(ctx)
 
-    def _exit(self, module, args, output):
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.hook_ctx.pop() if self.hook_ctx else None
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -166,7 +167,7 @@ class ActivationPager:
             self.current.clear()  # the block's tensors may be freed now (once their copies are done)
 
     # ---- saved tensors
-    def _keep(self, t):
+    def _keep(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
             return True
         if t.numel() * t.element_size() < self.min_bytes or not _dense(t):
@@ -177,7 +178,7 @@ class ActivationPager:
             return True  # autocast's cast copy of a weight
         return False
 
-    def pack(self, t):
+    def pack(self, t: torch.Tensor) -> Any:
         if self._keep(t):
             return t
         key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride())
@@ -206,13 +207,15 @@ class ActivationPager:
         self.paged_tensors += 1
         return page
 
-    def unpack(self, page):
+    def unpack(self, page: Any) -> torch.Tensor:
         if not isinstance(page, _Page):
             return page
         page.uses -= 1
         out = page.cached
         if out is None:
+            assert page.host is not None  # dropped only with the page
             if self.cuda:
+                assert page.event is not None
                 stream = torch.cuda.current_stream(page.device)
                 stream.wait_event(page.event)
                 out = torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=page.device)
