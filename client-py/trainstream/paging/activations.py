@@ -188,24 +188,32 @@ class ActivationPager:
             return hit[1]
         nbytes = t.numel() * t.element_size()
         block = self.host.alloc(nbytes)  # may raise QuotaExceeded: tsd cannot lend more
-        host = block.view(t.dtype, t.size(), t.stride())  # t is dense: the same strides cover nbytes
-        if self.cuda:
-            stream = self.stream
-            assert stream is not None
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
-                t.record_stream(stream)  # its memory is reused only after the copy
-                event = torch.cuda.Event()
-                event.record(stream)
-        else:
-            host.copy_(t.detach())
-            event = None
+        try:
+            host = block.view(t.dtype, t.size(), t.stride())  # t is dense: the same strides cover nbytes
+            event = self._copy_out(t, host)
+        except BaseException:
+            block.release()  # nothing was queued on it (a failed copy), or the CPU copy is done
+            raise
         page = _Page(block, host, event, t)
         self.current[key] = (t, page)
         self.paged_bytes += t.numel() * t.element_size()
         self.paged_tensors += 1
         return page
+
+    def _copy_out(self, t: torch.Tensor, host: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Copies `t` into `host`: on CUDA, D2H on the side stream; returns the copy's event."""
+        if not self.cuda:
+            host.copy_(t.detach())
+            return None
+        stream = self.stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # its memory is reused only after the copy
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
     def unpack(self, page: Any) -> torch.Tensor:
         if not isinstance(page, _Page):
