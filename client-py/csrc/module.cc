@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/control_page.h"
+#include "proto/state_format.h"
 #include "proto/wire.h"
 #include "tsd/client.h"
 #include "tsd/optimizer.h"
@@ -347,6 +348,12 @@ PYBIND11_MODULE(_C, m) {
   for (const auto& d : kDTypes) dtypes[d.name] = tsd::DTypeBytes(d.dtype);
   m.attr("DTYPES") = dtypes;
   m.attr("PAGE_BYTES") = tsd::wire::kPageBytes;
+  m.attr("STATE_FORMAT") = std::string(tsd::wire::kStateFormat);
+  py::tuple parts(tsd::wire::kStateParts.size());
+  for (size_t i = 0; i < tsd::wire::kStateParts.size(); ++i) {
+    parts[i] = std::string(tsd::wire::kStateParts[i]);
+  }
+  m.attr("STATE_PARTS") = parts;
   m.def(
       "control_page_bytes",
       [](uint32_t groups, uint32_t buckets) {

@@ -3,9 +3,8 @@ in place through a memfd, without copies of the whole file.
 
 Per bucket b the daemon writes "b<b>.master" (F32), "b<b>.exp_avg" and "b<b>.exp_avg_sq" (F32 or
 BF16, the registered moment dtype) and "b<b>.step" (I64, one element); LoadState wants exactly
-these tensors for exactly its layout. `entry()` and `PARTS` are the one table of these names on
-the Python side (the daemon's is daemon/optimizer/job_optimizer_state.cc; the tests save and load
-through the daemon, so the two cannot drift apart unnoticed)."""
+these tensors for exactly its layout. The names come from the one table both sides share,
+proto/state_format.h, exported by the extension (`_C.STATE_FORMAT`, `_C.STATE_PARTS`)."""
 import json
 import mmap
 import os
@@ -13,9 +12,11 @@ import struct
 
 import torch
 
-FORMAT = "tsd.optimizer.v1"
+from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
+
+FORMAT: str = _C.STATE_FORMAT
 # The entries of one bucket, in the order the daemon writes them.
-PARTS = ("master", "exp_avg", "exp_avg_sq", "step")
+PARTS: tuple = tuple(_C.STATE_PARTS)
 # The metadata's name of each moment dtype.
 MOMENT_TAGS = {"float32": "F32", "bfloat16": "BF16"}
 _TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}

@@ -12,12 +12,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/optimizer/job_optimizer.h"
+#include "proto/state_format.h"
 #include "proto/status_macros.h"
 
 namespace tsd {
 namespace {
 
-constexpr char kFormat[] = "tsd.optimizer.v1";
 constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
 
 const char* SafetensorsDType(kernels::DType d) {
@@ -94,17 +94,19 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
     BucketRun& r = *runs_[b];
     const int64_t n = r.plan.numel;
     steps[b] = r.steps;
-    entries.push_back({absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master),
-                       static_cast<uint64_t>(n) * 4});
-    entries.push_back({absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n,
-                       static_cast<char*>(r.exp_avg), n * msize});
-    entries.push_back({absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n,
-                       static_cast<char*>(r.exp_avg_sq), n * msize});
-    entries.push_back(
-        {absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8});
+    entries.push_back({wire::StateEntryName(b, wire::StatePart::kMaster), "F32", n,
+                       reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4});
+    entries.push_back({wire::StateEntryName(b, wire::StatePart::kExpAvg),
+                       SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg),
+                       n * msize});
+    entries.push_back({wire::StateEntryName(b, wire::StatePart::kExpAvgSq),
+                       SafetensorsDType(plan_.moment_dtype), n, static_cast<char*>(r.exp_avg_sq),
+                       n * msize});
+    entries.push_back({wire::StateEntryName(b, wire::StatePart::kStep), "I64", 1,
+                       reinterpret_cast<char*>(&steps[b]), 8});
   }
   nlohmann::json header;
-  header["__metadata__"] = {{"format", kFormat},
+  header["__metadata__"] = {{"format", wire::kStateFormat},
                             {"buckets", std::to_string(runs_.size())},
                             {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
                             {"committed", std::to_string(committed_local_)}};
@@ -157,9 +159,10 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   if (header.is_discarded() || !header.is_object())
     return absl::InvalidArgumentError("the state file's header is not JSON");
   const auto meta = header.find("__metadata__");
-  if (meta == header.end() || !meta->is_object() || meta->value("format", "") != kFormat) {
+  if (meta == header.end() || !meta->is_object() ||
+      meta->value("format", "") != wire::kStateFormat) {
     return absl::InvalidArgumentError(
-        absl::StrCat("the file is not a tsd optimizer state (", kFormat, ")"));
+        absl::StrCat("the file is not a tsd optimizer state (", wire::kStateFormat, ")"));
   }
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   const uint64_t data_start = 8 + hlen, data_bytes = file_bytes - data_start;
@@ -175,13 +178,14 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
     BucketRun& r = *runs_[b];
     const int64_t n = r.plan.numel;
     const Entry want[] = {
-        {absl::StrCat("b", b, ".master"), "F32", n, reinterpret_cast<char*>(r.master),
-         static_cast<uint64_t>(n) * 4},
-        {absl::StrCat("b", b, ".exp_avg"), SafetensorsDType(plan_.moment_dtype), n,
+        {wire::StateEntryName(b, wire::StatePart::kMaster), "F32", n,
+         reinterpret_cast<char*>(r.master), static_cast<uint64_t>(n) * 4},
+        {wire::StateEntryName(b, wire::StatePart::kExpAvg), SafetensorsDType(plan_.moment_dtype), n,
          static_cast<char*>(r.exp_avg), n * msize},
-        {absl::StrCat("b", b, ".exp_avg_sq"), SafetensorsDType(plan_.moment_dtype), n,
-         static_cast<char*>(r.exp_avg_sq), n * msize},
-        {absl::StrCat("b", b, ".step"), "I64", 1, reinterpret_cast<char*>(&steps[b]), 8}};
+        {wire::StateEntryName(b, wire::StatePart::kExpAvgSq), SafetensorsDType(plan_.moment_dtype),
+         n, static_cast<char*>(r.exp_avg_sq), n * msize},
+        {wire::StateEntryName(b, wire::StatePart::kStep), "I64", 1,
+         reinterpret_cast<char*>(&steps[b]), 8}};
     for (const Entry& e : want) {
       ++expected_entries;
       const auto it = header.find(e.name);
