@@ -10,7 +10,8 @@ namespace tsd::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxGrid = 1 << 30;  // grid-stride beyond this many thread blocks
+constexpr int64_t kMaxGrid = 1 << 30;              // grid-stride beyond this many thread blocks
+constexpr int64_t kMaxWordGrid = (1ll << 31) - 1;  // the word kernel has no grid stride
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -25,6 +26,21 @@ cudaError_t Launch(const uint8_t* codes, const float* absmax, int64_t n, int64_t
   const bool uniform = block_size % kElems == 0;
   const bool aligned = Aligned16(codes) && Aligned16(output);
   OutT* out = static_cast<OutT*>(output);
+  // The coalesced word kernel where its layout applies (the usual case: block 64, tensors from
+  // an allocator); the chunked kernels below for everything else.
+  constexpr int64_t kWordElems = kNf4 ? 8 : 4;
+  const uintptr_t store_align = kWordElems * sizeof(OutT) >= 16 ? 16 : kWordElems * sizeof(OutT);
+  if (block_size % kWordElems == 0 && (reinterpret_cast<uintptr_t>(codes) & 3u) == 0 &&
+      (reinterpret_cast<uintptr_t>(output) & (store_align - 1)) == 0) {
+    const int64_t words = n / kWordElems;
+    const int64_t per_block = static_cast<int64_t>(kThreads) * kWordUnroll;
+    const int64_t word_grid = words > 0 ? (words + per_block - 1) / per_block : 1;
+    if (word_grid <= kMaxWordGrid) {
+      DequantizeWordsKernel<OutT, kNf4><<<static_cast<unsigned>(word_grid), kThreads, 0, stream>>>(
+          codes, absmax, n, block_size, out);
+      return cudaGetLastError();
+    }
+  }
   const dim3 blocks(static_cast<unsigned>(grid));
   if (uniform && aligned) {
     DequantizeKernel<OutT, kNf4, true, true>

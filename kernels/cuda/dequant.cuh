@@ -106,6 +106,87 @@ __device__ __forceinline__ float CodeValue(const uint32_t (&words)[4], int k, co
   }
 }
 
+// The code value (before scaling) of element k of a 4-byte word of codes (byte b in bits 8b..8b+7;
+// for NF4 the even element in the high nibble).
+template <bool kNf4>
+__device__ __forceinline__ float WordCodeValue(uint32_t word, int k, const float* table) {
+  if constexpr (kNf4) {
+    const uint32_t byte = (word >> (8 * (k / 2))) & 0xFFu;
+    return table[(k % 2 == 0) ? (byte >> 4) : (byte & 0x0Fu)];
+  } else {
+    return static_cast<float>(static_cast<int8_t>((word >> (8 * k)) & 0xFFu));
+  }
+}
+
+// Stores the outputs of one word of codes: 8 or 4 values, 8 to 32 bytes, with vector stores.
+template <typename OutT, int kCount>
+__device__ __forceinline__ void StoreWordOutputs(OutT* dst, const float (&values)[kCount]) {
+  if constexpr (kCount * sizeof(OutT) % 16 == 0) {
+    StoreVector<OutT, kCount>(dst, values);
+  } else {
+    static_assert(kCount == 4 && sizeof(OutT) == 2);
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(PackPair<OutT>(values[0], values[1]), PackPair<OutT>(values[2], values[3]));
+  }
+}
+
+// The bandwidth path: thread t of a thread block handles words t, t + blockDim.x, ... of the
+// block's kWordUnroll * blockDim.x consecutive 4-byte words of codes, so a warp's loads and its
+// stores each cover one contiguous span (a 16-byte output per lane for NF4 -> bf16). All loads of
+// a thread are issued before any store. Needs: block_size a multiple of the word's element count,
+// codes 4-byte aligned, output aligned to its per-word store. The last n % (elements per word)
+// elements (the tail) are done one by one by the first threads of thread block 0.
+constexpr int kWordUnroll = 4;
+
+template <typename OutT, bool kNf4>
+__global__ void __launch_bounds__(256)
+    DequantizeWordsKernel(const uint8_t* __restrict__ codes, const float* __restrict__ absmax,
+                          int64_t n, int64_t block_size, OutT* __restrict__ output) {
+  constexpr int kPerWord = kNf4 ? 8 : 4;
+  __shared__ float table[16];
+  if constexpr (kNf4) {
+    if (threadIdx.x < 16) table[threadIdx.x] = kNf4Table[threadIdx.x];
+    __syncthreads();
+  }
+  const int64_t words = n / kPerWord;
+  const auto* code_words = reinterpret_cast<const uint32_t*>(codes);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kWordUnroll + threadIdx.x;
+  uint32_t w[kWordUnroll];
+  float a[kWordUnroll];
+#pragma unroll
+  for (int j = 0; j < kWordUnroll; ++j) {
+    const int64_t i = base + static_cast<int64_t>(j) * blockDim.x;
+    if (i < words) {
+      w[j] = __ldcs(code_words + i);
+      a[j] = __ldg(absmax + (i * kPerWord) / block_size);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kWordUnroll; ++j) {
+    const int64_t i = base + static_cast<int64_t>(j) * blockDim.x;
+    if (i < words) {
+      const float scale = kNf4 ? a[j] : a[j] / 127.0f;
+      float v[kPerWord];
+#pragma unroll
+      for (int k = 0; k < kPerWord; ++k)
+        v[k] = __fmul_rn(WordCodeValue<kNf4>(w[j], k, table), scale);
+      StoreWordOutputs<OutT, kPerWord>(output + i * kPerWord, v);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x < n - words * kPerWord) {
+    const int64_t e = words * kPerWord + threadIdx.x;
+    const float a_e = __ldg(absmax + e / block_size);
+    float code;
+    if constexpr (kNf4) {
+      const uint32_t byte = codes[e / 2];
+      code = table[(e % 2 == 0) ? (byte >> 4) : (byte & 0x0Fu)];
+    } else {
+      code = static_cast<float>(static_cast<int8_t>(codes[e]));
+    }
+    output[e] = Convert<OutT>(__fmul_rn(code, kNf4 ? a_e : a_e / 127.0f));
+  }
+}
+
 // The dequantize kernel. kUniform: block_size is a multiple of the chunk's element count, so a
 // chunk has one absmax. kAligned: codes and output are 16-byte aligned (vector loads/stores for
 // whole chunks).
