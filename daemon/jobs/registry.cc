@@ -1,7 +1,6 @@
 #include "daemon/jobs/registry.h"
 
 #include <fcntl.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -9,35 +8,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "proto/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace tsd {
 namespace {
 
 using wire::FormatBytes;
-
-Token NewToken() {
-  Token t{};
-  size_t got = 0;
-  while (got < t.size()) {
-    const ssize_t n = getrandom(t.data() + got, t.size() - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      spdlog::critical("event=getrandom_failed error=\"{}\"", std::strerror(errno));
-      std::abort();  // no safe token can be made: a broken invariant of the host
-    }
-    got += static_cast<size_t>(n);
-  }
-  return t;
-}
-
-// Compares without an early exit, so timing does not tell how much of a guess was right.
-bool TokenEquals(const Token& want, const std::string& got) {
-  if (got.size() != want.size()) return false;
-  uint8_t diff = 0;
-  for (size_t i = 0; i < want.size(); ++i) diff |= want[i] ^ static_cast<uint8_t>(got[i]);
-  return diff == 0;
-}
 
 uint64_t RoundUpToPage(uint64_t bytes) {
   return (bytes + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes;
@@ -70,97 +47,54 @@ v1::RegionInfo Registry::Describe(const Region& r) {
   return info;
 }
 
-absl::StatusOr<AttachGrant> Registry::BeginAttach(const std::string& job, uint64_t quota_bytes) {
-  if (absl::Status s = wire::ValidateName("job", job); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t pending = 0;
-  for (const auto& [id, s] : sessions_) pending += s.live ? 0 : 1;
-  if (pending >= options_.max_pending) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        pending, " sessions are waiting for their side-socket hello (the limit); retry shortly"));
+absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t quota_bytes,
+                                              uid_t uid, pid_t pid) {
+  TSD_RETURN_IF_ERROR(wire::ValidateName("job", job));
+  MutexLock lock(mu_);
+  AttachResult result;
+  result.job = job;
+  auto it = jobs_.find(job);
+  if (it != jobs_.end() && it->second.uid != uid) {
+    return absl::PermissionDeniedError(absl::StrCat("job '", job, "' belongs to uid ",
+                                                    it->second.uid, "; uid ", uid,
+                                                    " may not attach to it (pick another job name)"));
   }
-  AttachGrant grant;
-  grant.session_id = next_session_id_++;
-  grant.token = NewToken();
-  const uint64_t asked = quota_bytes == 0 ? options_.max_job_quota_bytes : quota_bytes;
-  grant.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
-  if (auto it = jobs_.find(job); it != jobs_.end()) grant.quota_bytes = it->second.quota_bytes;
-  Session s;
-  s.id = grant.session_id;
-  s.job = job;
-  s.token = grant.token;
-  s.hello_deadline = absl::Now() + options_.hello_timeout;
-  s.requested_quota = grant.quota_bytes;
-  sessions_.emplace(s.id, std::move(s));
-  return grant;
-}
-
-absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const std::string& token,
-                                                    uid_t uid, pid_t pid) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session ", session_id,
-                     " is not pending: it never existed, expired, or ended; call Attach again"));
-  }
-  Session& s = it->second;
-  if (!TokenEquals(s.token, token)) {
-    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
-  }
-  if (s.live) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session ", session_id,
-                     " already completed its hello; a token works for one connection only"));
-  }
-  HelloResult result;
-  result.job = s.job;
-  auto job = jobs_.find(s.job);
-  if (job != jobs_.end() && job->second.uid != uid) {
-    const uid_t owner = job->second.uid;
-    sessions_.erase(it);  // the token is spent either way
-    return absl::PermissionDeniedError(absl::StrCat("job '", result.job, "' belongs to uid ", owner,
-                                                    "; uid ", uid, " may not attach to it"));
-  }
-  if (job == jobs_.end()) {
+  if (it == jobs_.end()) {
     if (jobs_.size() >= options_.max_jobs) {
-      sessions_.erase(it);
       return absl::ResourceExhaustedError(absl::StrCat(
           "the daemon holds ", jobs_.size(), " jobs, its limit; detach unused jobs first"));
     }
+    const uint64_t asked = quota_bytes == 0 ? options_.max_job_quota_bytes : quota_bytes;
     Job j;
     j.instance = next_job_instance_++;
-    j.name = s.job;
+    j.name = job;
     j.uid = uid;
-    j.quota_bytes = s.requested_quota;
-    job = jobs_.emplace(j.name, std::move(j)).first;
+    j.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
+    it = jobs_.emplace(j.name, std::move(j)).first;
     result.job_created = true;
-    spdlog::info("event=job_created job={} uid={} quota_bytes={}", result.job, uid,
-                 s.requested_quota);
+    spdlog::info("event=job_created job={} uid={} quota_bytes={}", job, uid,
+                 it->second.quota_bytes);
   }
-  s.live = true;
+  Session s;
+  s.id = next_session_id_++;
+  s.job = job;
   s.uid = uid;
   s.pid = pid;
-  job->second.sessions.insert(session_id);
-  job->second.orphaned_since.reset();
-  result.quota_bytes = job->second.quota_bytes;
-  spdlog::info("event=session_attached job={} session={} uid={} pid={}", result.job, session_id,
+  result.session_id = s.id;
+  sessions_.emplace(s.id, std::move(s));
+  it->second.sessions.insert(result.session_id);
+  it->second.orphaned_since.reset();
+  result.quota_bytes = it->second.quota_bytes;
+  spdlog::info("event=session_attached job={} session={} uid={} pid={}", job, result.session_id,
                uid, pid);
   return result;
 }
 
-absl::StatusOr<Registry::Session*> Registry::LiveSession(const v1::SessionRef& ref) {
-  auto it = sessions_.find(ref.session_id());
+absl::StatusOr<Registry::Session*> Registry::FindSession(uint64_t session_id) {
+  auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat(
-        "session ", ref.session_id(), " does not exist (ended, or never attached); attach again"));
-  }
-  if (!TokenEquals(it->second.token, ref.token())) {
-    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", ref.session_id()));
-  }
-  if (!it->second.live) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", ref.session_id(), " has not sent its hello on the side socket yet"));
+        "session ", session_id, " has ended (detached, or closed by tsd); attach again"));
   }
   return &it->second;
 }
@@ -181,7 +115,7 @@ std::string Registry::HoldersLocked() const {
   return absl::StrJoin(parts, ", ");
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const std::string& name,
+absl::StatusOr<v1::RegionInfo> Registry::Alloc(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
   if (name.rfind("opt/", 0) == 0) {
@@ -189,17 +123,19 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const 
                                                    "': names starting with 'opt/' are "
                                                    "reserved for the optimizer engine"));
   }
-  return AllocInternal(ref, name, size_bytes);
+  return AllocInternal(session_id, name, size_bytes);
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref,
+absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id,
                                                        const std::string& name,
                                                        uint64_t size_bytes) {
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
+  bool lock_memory = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(ref);
+    MutexLock lock(mu_);
+    lock_memory = options_.lock_memory;
+    auto session = FindSession(session_id);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
     if (size_bytes == 0) {
@@ -243,10 +179,10 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
     job_name = job.name;
   }
 
-  auto region = Region::Create(region_id, name, bytes, options_.lock_memory);
+  auto region = Region::Create(region_id, name, bytes, lock_memory);
 
   std::shared_ptr<Region> dead;  // destroyed after the lock is dropped
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end() || job->second.instance != instance) {
     // The job was released meanwhile (its last session died); that already uncharged the pool.
@@ -268,12 +204,12 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
   return info;
 }
 
-absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t region_id) {
+absl::StatusOr<uint64_t> Registry::Free(uint64_t session_id, uint64_t region_id) {
   std::shared_ptr<Region> dead;
   uint64_t freed = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(ref);
+    MutexLock lock(mu_);
+    auto session = FindSession(session_id);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
     auto it = job.regions.find(region_id);
@@ -297,9 +233,9 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
   return freed;
 }
 
-absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::SessionRef& ref) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(ref);
+absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(uint64_t session_id) {
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   std::vector<v1::RegionInfo> out;
   for (const auto& [id, r] : jobs_.at((*session)->job).regions) out.push_back(Describe(*r));
@@ -307,12 +243,10 @@ absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::Sess
 }
 
 absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || !it->second.live) {
-    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
-  }
-  const Job& job = jobs_.at(it->second.job);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
+  if (!session.ok()) return session.status();
+  const Job& job = jobs_.at((*session)->job);
   auto region = job.regions.find(region_id);
   if (region == job.regions.end()) {
     return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '",
@@ -345,10 +279,8 @@ void Registry::ReleaseJobLocked(const std::string& name, const char* why, Releas
 void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
-  const bool live = it->second.live;
   const std::string job_name = it->second.job;
   sessions_.erase(it);
-  if (!live) return;
   spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id, why);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
@@ -361,52 +293,49 @@ void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Release
   }
 }
 
-absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
+absl::StatusOr<bool> Registry::Detach(uint64_t session_id) {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(ref);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   const std::string job = (*session)->job;
-  RemoveSessionLocked(ref.session_id(), "detach", dead);
+  RemoveSessionLocked(session_id, "detach", dead);
   const bool released = jobs_.count(job) == 0;
   return released;
 }
 
 void Registry::SessionDisconnected(uint64_t session_id) {
   Released dead;  // declared first: destroyed after the lock is dropped
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   RemoveSessionLocked(session_id, "disconnected", dead);
 }
 
-void Registry::Sweep(absl::Time now) {
+std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (!it->second.live && now >= it->second.hello_deadline) {
-      spdlog::info("event=pending_session_expired session={} job={}", it->first, it->second.job);
-      it = sessions_.erase(it);
-    } else {
-      ++it;
+  MutexLock lock(mu_);
+  std::vector<ClosedSession> closed;
+  for (auto& [name, job] : jobs_) {
+    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0 &&
+        sessions_.count(job.optimizer_session) != 0) {
+      closed.push_back({job.optimizer_session,
+                        absl::StrCat("tsd closed this session: the optimizer of job '", name,
+                                     "' stopped: ", job.optimizer->failure())});
+      job.optimizer_session = 0;
     }
   }
-  std::vector<uint64_t> failed_sessions;
-  for (const auto& [name, job] : jobs_) {
-    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0) {
-      failed_sessions.push_back(job.optimizer_session);
-    }
-  }
-  for (uint64_t sid : failed_sessions) RemoveSessionLocked(sid, "optimizer_failed", dead);
+  for (const auto& c : closed) RemoveSessionLocked(c.session_id, "optimizer_failed", dead);
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
     if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)
       orphans.push_back(name);
   }
   for (const auto& name : orphans) ReleaseJobLocked(name, "orphan_grace_expired", dead);
+  return closed;
 }
 
 void Registry::ReleaseAll() {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::string> names;
   for (const auto& [name, job] : jobs_) names.push_back(name);
   for (const auto& name : names) ReleaseJobLocked(name, "shutdown", dead);
@@ -414,17 +343,17 @@ void Registry::ReleaseAll() {
 }
 
 PoolSnapshot Registry::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   PoolSnapshot s;
   s.pool_bytes = options_.pool_bytes;
   s.used_bytes = used_bytes_;
   s.jobs = static_cast<uint32_t>(jobs_.size());
-  for (const auto& [id, session] : sessions_) s.sessions += session.live ? 1 : 0;
+  s.sessions = static_cast<uint32_t>(sessions_.size());
   return s;
 }
 
 std::vector<v1::JobInfo> Registry::Jobs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<v1::JobInfo> out;
   for (const auto& [name, job] : jobs_) {
     out.push_back(DescribeJob(name, job));
@@ -437,7 +366,7 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 namespace tsd {
 
 absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
-    const v1::RegisterOptimizerRequest& req) {
+    uint64_t session_id, const v1::RegisterOptimizerRequest& req) {
   const RegistryOptions options =
       this->options();  // a consistent copy (SIGHUP may resize the pool)
   if (options.pool == nullptr)
@@ -445,8 +374,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
   auto plan = JobOptimizer::Plan(req, options.pool_bytes);
   if (!plan.ok()) return plan.status();
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(req.session());
+    MutexLock lock(mu_);
+    auto session = FindSession(session_id);
     if (!session.ok()) return session.status();
     const Job& job = jobs_.at((*session)->job);
     if (job.optimizer) {
@@ -469,12 +398,12 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
       {"opt/accum", plan->accum_bytes}};
   std::vector<uint64_t> made;
   auto undo = [&](absl::Status why) {
-    for (uint64_t id : made) (void)Free(req.session(), id);
+    for (uint64_t id : made) (void)Free(session_id, id);
     return why;
   };
   for (const auto& [name, bytes] : wanted) {
     if (bytes == 0) continue;
-    auto info = AllocInternal(req.session(), name, bytes);
+    auto info = AllocInternal(session_id, name, bytes);
     if (!info.ok()) {
       if (info.status().code() == absl::StatusCode::kAlreadyExists) {
         return undo(
@@ -485,8 +414,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
     made.push_back(info->region_id());
   }
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(req.session());
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   Job& job = jobs_.at((*session)->job);
   OptimizerRegions regions;
@@ -504,7 +433,7 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
                                                   options_.isa, options_.metrics);
   optimizer->Start();
   job.optimizer = optimizer;
-  job.optimizer_session = req.session().session_id();
+  job.optimizer_session = session_id;
   v1::RegisterOptimizerResponse resp;
   for (const auto& b : plan->buckets) {
     auto* l = resp.add_buckets();
@@ -524,12 +453,10 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
 }
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || !it->second.live) {
-    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
-  }
-  const Job& job = jobs_.at(it->second.job);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
+  if (!session.ok()) return session.status();
+  const Job& job = jobs_.at((*session)->job);
   if (!job.optimizer)
     return absl::NotFoundError(
         absl::StrCat("job '", job.name, "' has no optimizer; register one first"));
@@ -542,13 +469,13 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
 namespace tsd {
 
 RegistryOptions Registry::options() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return options_;
 }
 
 absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
                                    absl::Duration orphan_grace) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (pool_bytes < used_bytes_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the new pool of ", FormatBytes(pool_bytes), " is smaller than the ",
@@ -562,12 +489,12 @@ absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_b
 }
 
 Registry::MetricsView Registry::View() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   MetricsView v;
   v.pool.pool_bytes = options_.pool_bytes;
   v.pool.used_bytes = used_bytes_;
   v.pool.jobs = static_cast<uint32_t>(jobs_.size());
-  for (const auto& [id, session] : sessions_) v.pool.sessions += session.live ? 1 : 0;
+  v.pool.sessions = static_cast<uint32_t>(sessions_.size());
   v.max_job_quota_bytes = options_.max_job_quota_bytes;
   for (const auto& [name, job] : jobs_) {
     for (const auto& [id, region] : job.regions)

@@ -1,6 +1,6 @@
 // Sizes, durations, the TOML file and flags: what `tsd` accepts and how it explains what it
 // refuses, and that the shipped deploy/tsd.toml documents every setting with its default.
-#include "daemon/config.h"
+#include "daemon/ops/config.h"
 
 #include <unistd.h>
 

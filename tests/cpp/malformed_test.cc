@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "daemon_process.h"
+#include "proto/side_message.h"
 #include "proto/wire.h"
 
 namespace tsd::testing {
@@ -78,36 +79,35 @@ TEST_F(Malformed, SizesNamesAndIds) {
   EXPECT_EQ(other->Attach("white space").code(), absl::StatusCode::kInvalidArgument);
   // Unknown ids.
   RawSession raw(daemon_->socket());
-  const v1::SessionRef ref = raw.Open("raw-victim");
-  v1::FreeRequest free_req;
-  *free_req.mutable_session() = ref;
-  free_req.set_region_id(region_->id());  // exists, but in another job
-  v1::FreeResponse free_resp;
-  {
-    grpc::ClientContext ctx;
-    grpc::Status s = raw.stub().Free(&ctx, free_req, &free_resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
-    EXPECT_THAT(s.error_message(), HasSubstr("does not exist in job 'raw-victim'"));
-  }
-  free_req.set_region_id(123456789);
-  {
-    grpc::ClientContext ctx;
-    EXPECT_EQ(raw.stub().Free(&ctx, free_req, &free_resp).error_code(),
-              grpc::StatusCode::NOT_FOUND);
-  }
-  free_req.mutable_session()->set_session_id(987654321);
-  {
-    grpc::ClientContext ctx;
-    grpc::Status s = raw.stub().Free(&ctx, free_req, &free_resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
-    EXPECT_THAT(s.error_message(), HasSubstr("session 987654321 does not exist"));
-  }
+  raw.Open("raw-victim");
+  v1::SideRequest free_req;
+  free_req.mutable_free()->set_region_id(region_->id());  // exists, but in another job
+  v1::SideReply reply = raw.Request(free_req);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_THAT(reply.message(), HasSubstr("does not exist in job 'raw-victim'"));
+  free_req.mutable_free()->set_region_id(123456789);
+  EXPECT_EQ(raw.Request(free_req).code(), static_cast<int>(absl::StatusCode::kNotFound));
   v1::SideRequest get;
   get.mutable_get_fd()->set_region_id(region_->id());  // another job's region, by its real id
   int fd = -1;
-  v1::SideReply reply = raw.SendRaw(get.SerializeAsString(), nullptr, &fd);
+  reply = raw.Request(get, nullptr, &fd);
   EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kNotFound));
   EXPECT_EQ(fd, -1);
+  // Requests without a request id or without a kind: refused, the session survives.
+  v1::SideRequest unnumbered;
+  unnumbered.mutable_list_regions();
+  unnumbered.set_request_id(0);
+  bool closed = true;
+  reply = raw.SendRaw(unnumbered.SerializeAsString(), &closed);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(reply.message(), HasSubstr("request_id 0"));
+  EXPECT_FALSE(closed);
+  v1::SideRequest empty;
+  reply = raw.Request(empty, &closed);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(reply.message(), HasSubstr("names no request"));
+  EXPECT_EQ(reply.request_id(), raw.last_request_id());
+  EXPECT_FALSE(closed);
   // A duplicate region name.
   ASSERT_TRUE(c->Alloc("twice", 4096).ok());
   EXPECT_EQ(c->Alloc("twice", 4096).status().code(), absl::StatusCode::kAlreadyExists);
@@ -116,42 +116,67 @@ TEST_F(Malformed, SizesNamesAndIds) {
 
 TEST_F(Malformed, GarbageOnTheSideSocket) {
   RawSession raw(daemon_->socket());
-  // Before a hello: one bad datagram gets an error and the connection is closed.
+  // Before an attach: one bad datagram gets an error saying what failed, and the connection is
+  // closed.
   raw.ConnectSide();
   bool closed = false;
   v1::SideReply r = raw.SendRaw("\xff\xfe garbage \x00\x01", &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(r.message(), HasSubstr("not a valid tsd.v1.SideRequest"));
+  EXPECT_THAT(r.message(), HasSubstr("is not a valid tsd.v1.SideRequest"));
+  EXPECT_THAT(r.message(), HasSubstr("at byte 0"));
   EXPECT_TRUE(closed);
-  // A truncated hello (the first half of a valid one).
-  v1::AttachResponse pending;
-  ASSERT_TRUE(raw.Attach("garbage-job", 0, &pending).ok());
-  v1::SideRequest hello;
-  *hello.mutable_hello()->mutable_session() = pending.session();
-  const std::string full = hello.SerializeAsString();
+  // A truncated attach (the first half of a valid one): the message says where it broke off.
+  v1::SideRequest attach;
+  attach.set_request_id(1);
+  attach.mutable_attach()->set_job("garbage-job");
+  attach.mutable_attach()->set_protocol_version(wire::kProtocolVersion);
+  const std::string full = attach.SerializeAsString();
   raw.ConnectSide();
-  r = raw.SendRaw(full.substr(0, full.size() / 2), &closed);
+  r = raw.SendRaw(full.substr(0, full.size() - 3), &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("field 2 (attach)"));
+  EXPECT_THAT(r.message(), HasSubstr("remain"));
+  EXPECT_EQ(r.request_id(), 1u) << "the id was readable, so the error reply carries it";
   EXPECT_TRUE(closed);
+  // A job name that is not UTF-8, as protobuf strings must be.
+  raw.ConnectSide();
+  v1::SideRequest latin1 = attach;
+  latin1.mutable_attach()->set_job("caf\xe9");
+  r = raw.SendRaw(latin1.SerializeAsString(), &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("not valid UTF-8"));
   // An empty datagram, and one larger than the limit.
   raw.ConnectSide();
   r = raw.SendRaw(std::string(), &closed);
   EXPECT_TRUE(
       closed);  // on SOCK_SEQPACKET an empty datagram reads as end-of-stream: the daemon hangs up
   raw.ConnectSide();
-  const std::string oversized(wire::kMaxSideMessageBytes + 100, 'A');
+  const std::string oversized(wire::kMaxSideDatagramBytes + 100, 'A');
   ASSERT_EQ(send(raw.side_fd(), oversized.data(), oversized.size(), 0),
             static_cast<ssize_t>(oversized.size()));
   auto big_reply = wire::ReceiveDatagram(raw.side_fd(), false);
   ASSERT_TRUE(big_reply.ok());
   ASSERT_TRUE(r.ParseFromString(big_reply->bytes));
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(r.message(), HasSubstr("larger than"));
-  // After a proper hello, garbage gets an error but the session survives.
-  raw.ConnectSide();
-  r = raw.Hello(pending.session());
+  // After a proper attach, garbage gets an error but the session survives.
+  r = raw.Attach("garbage-job");
   ASSERT_EQ(r.code(), 0) << r.message();
   r = raw.SendRaw("\x0a\x05junk", &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("at byte 0"));
+  EXPECT_FALSE(closed);
+  // A fragment that claims more is coming, then a whole message: refused, session survives.
+  v1::SideRequest fragment;
+  fragment.set_request_id(77);
+  fragment.set_fragment("partial");
+  fragment.set_more_fragments(true);
+  ASSERT_TRUE(wire::SendDatagram(raw.side_fd(), fragment.SerializeAsString()).ok());
+  v1::SideRequest list;
+  list.mutable_list_regions();
+  r = raw.Request(list, &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("fragments of request 77"));
   EXPECT_FALSE(closed);
   // Descriptors sent to the daemon are closed, not kept.
   const int fds_before = daemon_->OpenFds();
@@ -160,25 +185,35 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
     ASSERT_EQ(pipe(pipefd), 0);
     v1::SideRequest get;
     get.mutable_get_fd()->set_region_id(424242);
-    ASSERT_TRUE(wire::SendDatagram(raw.side_fd(), get.SerializeAsString(), pipefd[0]).ok());
+    r = raw.Request(get, nullptr, nullptr, pipefd[0]);
     close(pipefd[0]);
     close(pipefd[1]);
-    auto d = wire::ReceiveDatagram(raw.side_fd(), false);
-    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kNotFound));
   }
   EXPECT_EQ(daemon_->OpenFds(), fds_before);
+  // A state request with a pipe instead of a file: refused with what to do instead.
+  {
+    int pipefd[2];
+    ASSERT_EQ(pipe(pipefd), 0);
+    v1::SideRequest save;
+    save.mutable_save_state();
+    r = raw.Request(save, nullptr, nullptr, pipefd[1]);
+    close(pipefd[0]);
+    close(pipefd[1]);
+    EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(r.message(), HasSubstr("is a pipe"));
+    EXPECT_THAT(r.message(), HasSubstr("regular file or a memfd"));
+  }
   // The session still works for real requests.
-  v1::AllocRequest alloc;
-  *alloc.mutable_session() = pending.session();
-  alloc.set_name("after-garbage");
-  alloc.set_size_bytes(8192);
-  v1::AllocResponse resp;
-  grpc::ClientContext ctx;
-  ASSERT_TRUE(raw.stub().Alloc(&ctx, alloc, &resp).ok());
+  v1::SideRequest alloc;
+  alloc.mutable_alloc()->set_name("after-garbage");
+  alloc.mutable_alloc()->set_size_bytes(8192);
+  r = raw.Request(alloc);
+  ASSERT_EQ(r.code(), 0) << r.message();
   v1::SideRequest get;
-  get.mutable_get_fd()->set_region_id(resp.region().region_id());
+  get.mutable_get_fd()->set_region_id(r.alloc().region().region_id());
   int fd = -1;
-  r = raw.SendRaw(get.SerializeAsString(), &closed, &fd);
+  r = raw.Request(get, &closed, &fd);
   EXPECT_EQ(r.code(), 0);
   EXPECT_GE(fd, 0);
   if (fd >= 0) close(fd);

@@ -1,6 +1,6 @@
 // The Metrics class on its own: what the optimizer engine's Record* calls export, that pool and
 // job figures come from the Registry at each scrape, and that a released job's series go away.
-#include "daemon/metrics.h"
+#include "daemon/ops/metrics.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "daemon/registry.h"
+#include "daemon/jobs/registry.h"
 
 namespace tsd {
 namespace {
@@ -17,23 +17,21 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// A registry with one live job, `name` (attach and hello, as the side socket would).
-std::unique_ptr<Registry> RegistryWithJob(const std::string& name, v1::SessionRef* ref) {
+// A registry with one live job, `name` (attached as the side socket would); `*session` is its
+// session.
+std::unique_ptr<Registry> RegistryWithJob(const std::string& name, uint64_t* session) {
   RegistryOptions o;
   o.pool_bytes = 64 << 20;
   o.max_job_quota_bytes = 32 << 20;
   auto r = std::make_unique<Registry>(o);
-  auto grant = r->BeginAttach(name, 0);
-  EXPECT_TRUE(grant.ok());
-  const std::string token(grant->token.begin(), grant->token.end());
-  EXPECT_TRUE(r->CompleteHello(grant->session_id, token, getuid(), getpid()).ok());
-  ref->set_session_id(grant->session_id);
-  ref->set_token(token);
+  auto attached = r->Attach(name, 0, getuid(), getpid());
+  EXPECT_TRUE(attached.ok());
+  *session = attached.ok() ? attached->session_id : 0;
   return r;
 }
 
 TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   ASSERT_TRUE(registry->Alloc(ref, "r", 1 << 20).ok());
   Metrics metrics(*registry);
@@ -52,7 +50,7 @@ TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
 }
 
 TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
   metrics.RecordBucketUpdate("job-a", 0.0003, 1000);
@@ -76,7 +74,7 @@ TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
 }
 
 TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
   metrics.RecordStep("job-a");
@@ -97,7 +95,7 @@ TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
   EXPECT_THAT(text, HasSubstr("tsd_build_info{version="));
   EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));
   EXPECT_THAT(text, Not(HasSubstr("tsd_pool_bytes")));
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("early", &ref);
   metrics.WatchRegistry(*registry);
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_pool_bytes 67108864\n"));
@@ -106,7 +104,7 @@ TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
 }
 
 TEST(Metrics, ListenReportsAPortAndATakenOneIsAnError) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics first(*registry);
   ASSERT_TRUE(first.Listen("127.0.0.1:0").ok());
