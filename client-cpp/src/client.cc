@@ -266,6 +266,7 @@ void Client::SetRequestTimeout(absl::Duration timeout) {
 
 std::optional<Notice> Client::LastNotice() const {
   MutexLock lock(impl_->mu);
+  impl_->Pump();  // one that arrived while idle
   return impl_->last_notice;
 }
 

@@ -304,10 +304,12 @@ absl::StatusOr<bool> Registry::Detach(uint64_t session_id) {
   return released;
 }
 
-void Registry::SessionDisconnected(uint64_t session_id) {
+void Registry::SessionDisconnected(uint64_t session_id) { EndSession(session_id, "disconnected"); }
+
+void Registry::EndSession(uint64_t session_id, const char* why) {
   Released dead;  // declared first: destroyed after the lock is dropped
   MutexLock lock(mu_);
-  RemoveSessionLocked(session_id, "disconnected", dead);
+  RemoveSessionLocked(session_id, why, dead);
 }
 
 std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
@@ -323,7 +325,6 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
       job.optimizer_session = 0;
     }
   }
-  for (const auto& c : closed) RemoveSessionLocked(c.session_id, "optimizer_failed", dead);
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
     if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)

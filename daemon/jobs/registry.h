@@ -99,8 +99,11 @@ class Registry final {
   absl::StatusOr<RegionFd> GetFd(uint64_t session_id, uint64_t region_id);
   // The session's side connection closed (the process exited or was killed). Idempotent.
   void SessionDisconnected(uint64_t session_id);
-  // Ends the sessions whose optimizer failed (returned, with the failure, so their connections
-  // can be told) and releases jobs orphaned for longer than the grace period.
+  // Ends a session for `why` (logged); its job is released with its last session. Idempotent.
+  void EndSession(uint64_t session_id, const char* why);
+  // Releases jobs orphaned for longer than the grace period, and returns the sessions whose
+  // optimizer failed, with the failure, each once: the caller tells each connection why, then
+  // ends the session (EndSession), so the client reads the reason before anything else fails.
   std::vector<ClosedSession> Sweep(absl::Time now);
   // Releases every job (shutdown).
   void ReleaseAll();

@@ -350,17 +350,21 @@ void SideServer::NotifyClosed(const std::vector<ClosedSession>& closed) {
     {
       MutexLock lock(mu_);
       auto it = by_session_.find(cs.session_id);
-      if (it == by_session_.end()) continue;
-      c = it->second;
+      if (it != by_session_.end()) c = it->second;
+    }
+    if (c == nullptr) {  // its connection is closing already
+      registry_.EndSession(cs.session_id, "optimizer_failed");
+      continue;
     }
     v1::SideReply notice;
     notice.set_code(static_cast<int>(absl::StatusCode::kAborted));
     notice.set_message(cs.reason);
     notice.mutable_notice()->set_kind(v1::SideNotice::SESSION_CLOSED);
     notice.mutable_notice()->set_message(cs.reason);
-    Send(*c, notice);
+    Send(*c, notice);  // first, so the client reads why before any request of it fails
     spdlog::info("event=session_closed_notice session={} uid={} pid={} reason=\"{}\"",
                  cs.session_id, c->uid, c->pid, cs.reason);
+    registry_.EndSession(cs.session_id, "optimizer_failed");
     RequestClose(c, "optimizer_failed");
   }
 }

@@ -136,7 +136,8 @@ class Client final {
   // How long a request of the session waits for its reply (default 120 s; saving and loading
   // optimizer state wait at least an hour). A request that times out ends the session.
   void SetRequestTimeout(absl::Duration timeout);
-  // The last notice tsd sent this client (a shutdown, or why it closed the session), if any.
+  // The last notice tsd sent this client (a shutdown, or why it closed the session), if any;
+  // reads one that arrived while the client was idle.
   std::optional<Notice> LastNotice() const;
 
   const std::string& socket_path() const { return socket_path_; }
