@@ -30,7 +30,11 @@ bool ValidUtf8(const std::string& b, size_t begin, size_t end) {
   size_t i = begin;
   while (i < end) {
     const uint8_t c = static_cast<uint8_t>(b[i]);
-    int extra = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xe ? 2 : (c >> 3) == 0x1e ? 3 : -1;
+    int extra = c < 0x80           ? 0
+                : (c >> 5) == 0x6  ? 1
+                : (c >> 4) == 0xe  ? 2
+                : (c >> 3) == 0x1e ? 3
+                                   : -1;
     if (extra < 0 || i + static_cast<size_t>(extra) >= end) return false;
     for (int k = 1; k <= extra; ++k) {
       if ((static_cast<uint8_t>(b[i + static_cast<size_t>(k)]) & 0xc0) != 0x80) return false;
@@ -193,9 +197,8 @@ absl::StatusOr<bool> SideAssembler<M>::Feed(Datagram datagram, uint64_t* request
   M piece;
   if (!piece.ParseFromString(datagram.bytes)) {
     if (*request_id == 0) *request_id = PeekRequestId(datagram.bytes);
-    return fail(absl::StrCat("side datagram of ", datagram.bytes.size(),
-                             " bytes is not a valid ", type, ": ",
-                             ExplainParseFailure(datagram.bytes, type)));
+    return fail(absl::StrCat("side datagram of ", datagram.bytes.size(), " bytes is not a valid ",
+                             type, ": ", ExplainParseFailure(datagram.bytes, type)));
   }
   if (piece.request_id() != 0) *request_id = piece.request_id();
   const bool fragment = !piece.fragment().empty() || piece.more_fragments();

@@ -110,15 +110,16 @@ absl::Status SendDatagram(int sock, const std::string& bytes, int fd, int timeou
     if ((errno == EAGAIN || errno == EWOULDBLOCK) && timeout_ms > 0) {
       const auto now = std::chrono::steady_clock::now();
       if (now >= deadline) {
-        return absl::UnavailableError(absl::StrCat(
-            "side socket send failed: the peer read nothing for ", timeout_ms, " ms"));
+        return absl::UnavailableError(
+            absl::StrCat("side socket send failed: the peer read nothing for ", timeout_ms, " ms"));
       }
       // POLLOUT may report room for a smaller datagram than ours: wait in short slices.
       pollfd p{sock, POLLOUT, 0};
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
       if (poll(&p, 1, static_cast<int>(std::min<int64_t>(left + 1, 10))) < 0 && errno != EINTR) {
-        return absl::UnavailableError(absl::StrCat("side socket poll failed: ", std::strerror(errno)));
+        return absl::UnavailableError(
+            absl::StrCat("side socket poll failed: ", std::strerror(errno)));
       }
       continue;
     }

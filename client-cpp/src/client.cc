@@ -339,8 +339,7 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
     const int err = errno;
     close(fd);
     return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
-                                               std::strerror(err), "; ",
-                                               HowToStart(socket_path_)));
+                                               std::strerror(err), "; ", HowToStart(socket_path_)));
   }
   impl_->side_fd = fd;
   impl_->closed_why.clear();
@@ -387,13 +386,12 @@ absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) 
     if (!impl_->attached) return impl_->NotAttached();
     v1::SideRequest req;
     req.mutable_get_fd()->set_region_id(region_id);
-    TSD_ASSIGN_OR_RETURN(auto reply, impl_->Call(std::move(req), -1, impl_->request_timeout,
-                                                 "get_fd"));
+    TSD_ASSIGN_OR_RETURN(auto reply,
+                         impl_->Call(std::move(req), -1, impl_->request_timeout, "get_fd"));
     const auto& info = reply.first.fd().region();
     if (reply.second < 0) return absl::InternalError("tsd's reply carried no descriptor");
-    region.reset(
-        new Region(RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()},
-                   reply.second));
+    region.reset(new Region(
+        RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()}, reply.second));
   }
   void* p = mmap(nullptr, region->size(), PROT_READ | PROT_WRITE, MAP_SHARED, region->fd(), 0);
   if (p == MAP_FAILED) {
@@ -561,10 +559,9 @@ absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
   } else {
     req.mutable_load_state();
   }
-  TSD_ASSIGN_OR_RETURN(
-      auto reply, impl_->Call(std::move(req), fd,
-                              std::max(impl_->request_timeout, kMinStateTimeout),
-                              save ? "save_state" : "load_state"));
+  TSD_ASSIGN_OR_RETURN(auto reply, impl_->Call(std::move(req), fd,
+                                               std::max(impl_->request_timeout, kMinStateTimeout),
+                                               save ? "save_state" : "load_state"));
   if (reply.second >= 0) close(reply.second);
   return reply.first.state().bytes();
 }

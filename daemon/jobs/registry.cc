@@ -55,9 +55,9 @@ absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t q
   result.job = job;
   auto it = jobs_.find(job);
   if (it != jobs_.end() && it->second.uid != uid) {
-    return absl::PermissionDeniedError(absl::StrCat("job '", job, "' belongs to uid ",
-                                                    it->second.uid, "; uid ", uid,
-                                                    " may not attach to it (pick another job name)"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("job '", job, "' belongs to uid ", it->second.uid, "; uid ", uid,
+                     " may not attach to it (pick another job name)"));
   }
   if (it == jobs_.end()) {
     if (jobs_.size() >= options_.max_jobs) {
@@ -126,8 +126,7 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(uint64_t session_id, const std::s
   return AllocInternal(session_id, name, size_bytes);
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id,
-                                                       const std::string& name,
+absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, const std::string& name,
                                                        uint64_t size_bytes) {
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
@@ -319,9 +318,9 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   for (auto& [name, job] : jobs_) {
     if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0 &&
         sessions_.count(job.optimizer_session) != 0) {
-      closed.push_back({job.optimizer_session,
-                        absl::StrCat("tsd closed this session: the optimizer of job '", name,
-                                     "' stopped: ", job.optimizer->failure())});
+      closed.push_back(
+          {job.optimizer_session, absl::StrCat("tsd closed this session: the optimizer of job '",
+                                               name, "' stopped: ", job.optimizer->failure())});
       job.optimizer_session = 0;
     }
   }
@@ -466,7 +465,8 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
 
 }  // namespace tsd
 
-// --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) -----------------------------
+// --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc)
+// -----------------------------
 namespace tsd {
 
 RegistryOptions Registry::options() const {

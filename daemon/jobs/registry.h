@@ -27,9 +27,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/memory/region.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
-#include "daemon/memory/region.h"
 #include "proto/mutex.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
@@ -111,8 +111,9 @@ class Registry final {
   PoolSnapshot Snapshot() const;
   std::vector<v1::JobInfo> Jobs() const;
 
-  // --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) ---------------------------
-  // A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change (Reconfigure).
+  // --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc)
+  // --------------------------- A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change
+  // (Reconfigure).
   RegistryOptions options() const;
   // Applies a reloaded configuration, all or nothing. A pool smaller than what jobs hold now is
   // refused (the message says how much is held, and by whom) and nothing changes. Jobs keep the

@@ -23,16 +23,26 @@ void SetError(v1::SideReply& reply, const absl::Status& status) {
 
 const char* KindName(const v1::SideRequest& r) {
   switch (r.kind_case()) {
-    case v1::SideRequest::kAttach: return "attach";
-    case v1::SideRequest::kGetFd: return "get_fd";
-    case v1::SideRequest::kSaveState: return "save_state";
-    case v1::SideRequest::kLoadState: return "load_state";
-    case v1::SideRequest::kAlloc: return "alloc";
-    case v1::SideRequest::kFree: return "free";
-    case v1::SideRequest::kListRegions: return "list_regions";
-    case v1::SideRequest::kDetach: return "detach";
-    case v1::SideRequest::kRegisterOptimizer: return "register_optimizer";
-    case v1::SideRequest::KIND_NOT_SET: break;
+    case v1::SideRequest::kAttach:
+      return "attach";
+    case v1::SideRequest::kGetFd:
+      return "get_fd";
+    case v1::SideRequest::kSaveState:
+      return "save_state";
+    case v1::SideRequest::kLoadState:
+      return "load_state";
+    case v1::SideRequest::kAlloc:
+      return "alloc";
+    case v1::SideRequest::kFree:
+      return "free";
+    case v1::SideRequest::kListRegions:
+      return "list_regions";
+    case v1::SideRequest::kDetach:
+      return "detach";
+    case v1::SideRequest::kRegisterOptimizer:
+      return "register_optimizer";
+    case v1::SideRequest::KIND_NOT_SET:
+      break;
   }
   return "none";
 }
@@ -220,8 +230,10 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
     SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
                             "client speaks protocol ", theirs, ", tsd ", kVersion,
                             " speaks protocol ", wire::kProtocolVersion, ": ", upgrade)));
-    spdlog::warn("event=attach_refused reason=protocol_version uid={} pid={} client={} client_version=\"{}\"",
-                 caller.uid, caller.pid, theirs, attach.client_version());
+    spdlog::warn(
+        "event=attach_refused reason=protocol_version uid={} pid={} client={} "
+        "client_version=\"{}\"",
+        caller.uid, caller.pid, theirs, attach.client_version());
     out.close = true;
     out.close_reason = "protocol_version";
     return out;
@@ -249,8 +261,7 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
 
 absl::StatusOr<uint64_t> SideHandler::State(uint64_t session_id, bool save, int fd) {
   TSD_RETURN_IF_ERROR(CheckStateFd(fd, save));
-  TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer,
-                       registry_.OptimizerOf(session_id));
+  TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer, registry_.OptimizerOf(session_id));
   return save ? optimizer->SaveState(fd) : optimizer->LoadState(fd);
 }
 

@@ -26,9 +26,9 @@ struct SideCaller {
 // What to do after a request.
 struct SideOutcome {
   v1::SideReply reply;
-  int fd = -1;                // a descriptor to send with the reply; the receiver of this owns it
-  uint64_t bound_session = 0; // non-zero: the connection belongs to this session from now on
-  bool close = false;         // close the connection once the reply is sent
+  int fd = -1;                 // a descriptor to send with the reply; the receiver of this owns it
+  uint64_t bound_session = 0;  // non-zero: the connection belongs to this session from now on
+  bool close = false;          // close the connection once the reply is sent
   const char* close_reason = "";
 };
 

@@ -170,10 +170,10 @@ void SideServer::AcceptAll() {
     MutexLock lock(mu_);
     size_t& mine = per_uid_[cred.uid];
     if (conns_.size() >= kMaxConnections || mine >= kMaxConnectionsPerUid) {
-      spdlog::warn("event=connection_refused reason={} uid={} pid={}",
-                   conns_.size() >= kMaxConnections ? "too_many_connections"
-                                                    : "too_many_connections_of_uid",
-                   cred.uid, cred.pid);
+      spdlog::warn(
+          "event=connection_refused reason={} uid={} pid={}",
+          conns_.size() >= kMaxConnections ? "too_many_connections" : "too_many_connections_of_uid",
+          cred.uid, cred.pid);
       if (mine == 0) per_uid_.erase(cred.uid);
       close(fd);
       continue;

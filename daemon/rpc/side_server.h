@@ -60,9 +60,9 @@ class SideServer final {
     Mutex send_mu;  // one message at a time: a reply's fragments never interleave with a notice
     Mutex mu;
     uint64_t session_id ABSL_GUARDED_BY(mu) = 0;
-    bool busy ABSL_GUARDED_BY(mu) = false;      // a worker serves a request of this connection
-    bool closing ABSL_GUARDED_BY(mu) = false;   // close once the request in flight is done
-    bool closed ABSL_GUARDED_BY(mu) = false;    // fd is closed: never touch it again
+    bool busy ABSL_GUARDED_BY(mu) = false;     // a worker serves a request of this connection
+    bool closing ABSL_GUARDED_BY(mu) = false;  // close once the request in flight is done
+    bool closed ABSL_GUARDED_BY(mu) = false;   // fd is closed: never touch it again
     std::string close_reason ABSL_GUARDED_BY(mu);
   };
   using ConnPtr = std::shared_ptr<Conn>;
