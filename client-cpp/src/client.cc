@@ -468,8 +468,9 @@ absl::StatusOr<PoolStatus> Client::Status() {
     MutexLock lock(impl_->mu);
     return impl_->Explain(s);
   }
-  return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
-                    r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid()};
+  return PoolStatus{
+      r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
+      r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid(),        r.protocol_version()};
 }
 
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {

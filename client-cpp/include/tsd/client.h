@@ -46,6 +46,7 @@ struct PoolStatus {
   uint32_t sessions = 0;
   uint64_t max_job_quota_bytes = 0;
   uint32_t pid = 0;
+  uint32_t protocol_version = 0;  // of the daemon's side-socket protocol (0: older than 2)
 };
 
 // One job, as `Client::Jobs` reports it.
