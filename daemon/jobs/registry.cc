@@ -262,7 +262,25 @@ absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id
   return out;
 }
 
-void Registry::ReleaseJobLocked(const std::string& name, const char* why, Released& dead) {
+const char* ReleaseReasonName(ReleaseReason reason) {
+  switch (reason) {
+    case ReleaseReason::kDetach:
+      return "detach";
+    case ReleaseReason::kDisconnected:
+      return "disconnected";
+    case ReleaseReason::kOptimizerFailed:
+      return "optimizer_failed";
+    case ReleaseReason::kOrphanGraceExpired:
+      return "orphan_grace_expired";
+    case ReleaseReason::kShutdown:
+      return "shutdown";
+    case ReleaseReason::kRegistrationRolledBack:
+      return "registration_rolled_back";
+  }
+  return "unknown";
+}
+
+void Registry::ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead) {
   auto it = jobs_.find(name);
   if (it == jobs_.end()) return;
   Job& job = it->second;
@@ -271,21 +289,22 @@ void Registry::ReleaseJobLocked(const std::string& name, const char* why, Releas
   for (auto& [id, r] : job.regions) dead.regions.push_back(std::move(r));
   used_bytes_ -= job.used_bytes;
   spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
-               job.used_bytes, job.regions.size(), why);
+               job.used_bytes, job.regions.size(), ReleaseReasonName(why));
   jobs_.erase(it);
 }
 
-void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) {
+void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Released& dead) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
   const std::string job_name = it->second.job;
   sessions_.erase(it);
-  spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id, why);
+  spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id,
+               ReleaseReasonName(why));
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
   job->second.sessions.erase(session_id);
   if (!job->second.sessions.empty()) return;
-  if (options_.orphan_grace <= absl::ZeroDuration() || std::string(why) == "detach") {
+  if (options_.orphan_grace <= absl::ZeroDuration() || why == ReleaseReason::kDetach) {
     ReleaseJobLocked(job_name, why, dead);
   } else {
     job->second.orphaned_since = absl::Now();
@@ -298,14 +317,16 @@ absl::StatusOr<bool> Registry::Detach(uint64_t session_id) {
   auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   const std::string job = (*session)->job;
-  RemoveSessionLocked(session_id, "detach", dead);
+  RemoveSessionLocked(session_id, ReleaseReason::kDetach, dead);
   const bool released = jobs_.count(job) == 0;
   return released;
 }
 
-void Registry::SessionDisconnected(uint64_t session_id) { EndSession(session_id, "disconnected"); }
+void Registry::SessionDisconnected(uint64_t session_id) {
+  EndSession(session_id, ReleaseReason::kDisconnected);
+}
 
-void Registry::EndSession(uint64_t session_id, const char* why) {
+void Registry::EndSession(uint64_t session_id, ReleaseReason why) {
   Released dead;  // declared first: destroyed after the lock is dropped
   MutexLock lock(mu_);
   RemoveSessionLocked(session_id, why, dead);
@@ -329,7 +350,7 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
     if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)
       orphans.push_back(name);
   }
-  for (const auto& name : orphans) ReleaseJobLocked(name, "orphan_grace_expired", dead);
+  for (const auto& name : orphans) ReleaseJobLocked(name, ReleaseReason::kOrphanGraceExpired, dead);
   return closed;
 }
 
@@ -338,7 +359,7 @@ void Registry::ReleaseAll() {
   MutexLock lock(mu_);
   std::vector<std::string> names;
   for (const auto& [name, job] : jobs_) names.push_back(name);
-  for (const auto& name : names) ReleaseJobLocked(name, "shutdown", dead);
+  for (const auto& name : names) ReleaseJobLocked(name, ReleaseReason::kShutdown, dead);
   sessions_.clear();
 }
 
@@ -365,91 +386,81 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 
 namespace tsd {
 
-absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
-    uint64_t session_id, const v1::RegisterOptimizerRequest& req) {
-  const RegistryOptions options =
-      this->options();  // a consistent copy (SIGHUP may resize the pool)
-  if (options.pool == nullptr)
-    return absl::InternalError("this daemon runs without an optimizer engine");
-  auto plan = JobOptimizer::Plan(req, options.pool_bytes);
-  if (!plan.ok()) return plan.status();
-  {
-    MutexLock lock(mu_);
-    auto session = FindSession(session_id);
-    if (!session.ok()) return session.status();
-    const Job& job = jobs_.at((*session)->job);
-    if (job.optimizer) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("job '", job.name, "' already has an optimizer"));
-    }
-    const uint64_t need = plan->total_bytes();
-    if (job.used_bytes + need > job.quota_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the optimizer state needs ", FormatBytes(need), " but job '", job.name, "' has ",
-          FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
-          " quota free; attach with a larger quota or use bf16 moments"));
-    }
-  }
-  // Allocate each region; on any failure free what was made, so nothing changes.
-  const std::pair<const char*, uint64_t> wanted[] = {
-      {"opt/control", plan->control_bytes}, {"opt/master", plan->master_bytes},
-      {"opt/exp_avg", plan->moment_bytes},  {"opt/exp_avg_sq", plan->moment_bytes},
-      {"opt/grads", plan->grad_bytes},      {"opt/params", plan->param_bytes},
-      {"opt/accum", plan->accum_bytes}};
-  std::vector<uint64_t> made;
-  auto undo = [&](absl::Status why) {
-    for (uint64_t id : made) (void)Free(session_id, id);
-    return why;
-  };
-  for (const auto& [name, bytes] : wanted) {
-    if (bytes == 0) continue;
-    auto info = AllocInternal(session_id, name, bytes);
-    if (!info.ok()) {
-      if (info.status().code() == absl::StatusCode::kAlreadyExists) {
-        return undo(
-            absl::AlreadyExistsError("another optimizer registration of this job is in progress"));
-      }
-      return undo(info.status());
-    }
-    made.push_back(info->region_id());
-  }
-  Released dead;
+absl::StatusOr<JobRef> Registry::PrepareOptimizer(uint64_t session_id, uint64_t need_bytes) {
   MutexLock lock(mu_);
-  auto session = FindSession(session_id);
-  if (!session.ok()) return session.status();
-  Job& job = jobs_.at((*session)->job);
-  OptimizerRegions regions;
-  std::shared_ptr<Region>* slots[] = {&regions.control,    &regions.master, &regions.exp_avg,
-                                      &regions.exp_avg_sq, &regions.grads,  &regions.params,
-                                      &regions.accum};
-  for (size_t i = 0, m = 0; i < std::size(wanted); ++i) {
-    if (wanted[i].second == 0) continue;
-    auto it = job.regions.find(made[m++]);
-    if (it == job.regions.end())
-      return absl::NotFoundError("an optimizer region vanished during registration");
-    *slots[i] = it->second;
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  const Job& job = jobs_.at(session->job);
+  if (job.optimizer) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
   }
-  auto optimizer = std::make_shared<JobOptimizer>(job.name, *plan, regions, *options_.pool,
-                                                  options_.isa, options_.metrics);
-  optimizer->Start();
-  job.optimizer = optimizer;
+  if (job.used_bytes + need_bytes > job.quota_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the optimizer state needs ", FormatBytes(need_bytes), " but job '", job.name, "' has ",
+        FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
+        " quota free; attach with a larger quota or use bf16 moments"));
+  }
+  return JobRef{job.name, job.instance};
+}
+
+absl::StatusOr<v1::RegionInfo> Registry::AllocOptimizerRegion(uint64_t session_id,
+                                                              const std::string& name,
+                                                              uint64_t size_bytes) {
+  if (name.rfind("opt/", 0) != 0) {
+    return absl::InternalError(absl::StrCat("optimizer region '", name, "' lacks the opt/ prefix"));
+  }
+  return AllocInternal(session_id, name, size_bytes);
+}
+
+uint64_t Registry::ReleaseRegions(const JobRef& ref, const std::vector<uint64_t>& region_ids,
+                                  ReleaseReason why) {
+  std::vector<std::shared_ptr<Region>> dead;  // destroyed after the lock is dropped
+  MutexLock lock(mu_);
+  auto it = jobs_.find(ref.name);
+  if (it == jobs_.end() || it->second.instance != ref.instance) return 0;
+  Job& job = it->second;
+  uint64_t freed = 0;
+  for (uint64_t id : region_ids) {
+    auto r = job.regions.find(id);
+    if (r == job.regions.end()) continue;
+    freed += r->second->bytes();
+    job.names.erase(r->second->name());
+    dead.push_back(std::move(r->second));
+    job.regions.erase(r);
+  }
+  job.used_bytes -= freed;
+  used_bytes_ -= freed;
+  spdlog::info("event=regions_released job={} regions={} bytes={} reason={}", ref.name, dead.size(),
+               freed, ReleaseReasonName(why));
+  return freed;
+}
+
+absl::Status Registry::InstallOptimizer(uint64_t session_id, const JobRef& ref,
+                                        const std::vector<uint64_t>& region_ids,
+                                        const OptimizerFactory& make) {
+  MutexLock lock(mu_);
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  Job& job = jobs_.at(session->job);
+  if (job.instance != ref.instance) {
+    return absl::NotFoundError(
+        absl::StrCat("job '", ref.name, "' was released while its optimizer was being set up"));
+  }
+  if (job.optimizer) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
+  }
+  std::vector<std::shared_ptr<Region>> regions;
+  for (uint64_t id : region_ids) {
+    auto it = job.regions.find(id);
+    if (it == job.regions.end()) {
+      return absl::NotFoundError(absl::StrCat("optimizer region ", id,
+                                              " vanished during registration (freed by a session "
+                                              "of job '",
+                                              job.name, "'?)"));
+    }
+    regions.push_back(it->second);
+  }
+  TSD_ASSIGN_OR_RETURN(job.optimizer, make(job.name, regions));
   job.optimizer_session = session_id;
-  v1::RegisterOptimizerResponse resp;
-  for (const auto& b : plan->buckets) {
-    auto* l = resp.add_buckets();
-    l->set_master_offset(b.master_offset);
-    l->set_grad_offset(b.grad_offset);
-    l->set_param_offset(b.param_offset);
-  }
-  resp.set_state_bytes(plan->total_bytes());
-  resp.set_isa(kernels::IsaName(options_.isa));
-  resp.set_threads(static_cast<uint32_t>(options_.pool->threads()));
-  spdlog::info(
-      "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
-      "accumulate={}",
-      job.name, plan->buckets.size(), plan->groups.size(), plan->total_bytes(),
-      kernels::IsaName(options_.isa), plan->max_grad_norm, plan->accumulate);
-  return resp;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {

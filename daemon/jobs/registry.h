@@ -17,6 +17,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -46,6 +47,23 @@ struct RegistryOptions {
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   Metrics* metrics = nullptr;  // where optimizers report bucket updates and steps (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
+};
+
+// Why a session ended or a job (or some of its regions) was released: logged as `reason=`.
+enum class ReleaseReason {
+  kDetach,                  // the session asked (a job goes at once, whatever orphan_grace says)
+  kDisconnected,            // the session's connection closed
+  kOptimizerFailed,         // the job's optimizer found a protocol violation on its page
+  kOrphanGraceExpired,      // the job had no session for orphan_grace
+  kShutdown,                // the daemon is stopping
+  kRegistrationRolledBack,  // an optimizer registration failed half-way (its regions only)
+};
+const char* ReleaseReasonName(ReleaseReason reason);
+
+// A job as a multi-step operation sees it: a job re-created under the same name is another one.
+struct JobRef {
+  std::string name;
+  uint64_t instance = 0;
 };
 
 struct AttachResult {
@@ -89,10 +107,27 @@ class Registry final {
   absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(uint64_t session_id);
   // Ends a session on request; true when its job was released with it.
   absl::StatusOr<bool> Detach(uint64_t session_id);
-  // Sets up the job's optimizer (see JobOptimizer): allocates its regions (charged to the job's
-  // quota), starts it, and returns the layout. All or nothing.
-  absl::StatusOr<v1::RegisterOptimizerResponse> RegisterOptimizer(
-      uint64_t session_id, const v1::RegisterOptimizerRequest& request);
+  // --- Optimizer registration (driven by daemon/optimizer/registrar.h) ------------------------
+  // The session's job, when it has no optimizer yet and `need_bytes` fit in its quota.
+  absl::StatusOr<JobRef> PrepareOptimizer(uint64_t session_id, uint64_t need_bytes);
+  // Allocates one of the optimizer's own regions ("opt/" names, which clients may not use) in the
+  // session's job.
+  absl::StatusOr<v1::RegionInfo> AllocOptimizerRegion(uint64_t session_id, const std::string& name,
+                                                      uint64_t size_bytes);
+  // Frees `region_ids` of `job`, whether or not a session of it is still alive (the rollback of a
+  // registration whose session died half-way). Ids not in the job, or a job that is gone (and
+  // took its regions with it), are skipped. Returns the bytes released.
+  uint64_t ReleaseRegions(const JobRef& job, const std::vector<uint64_t>& region_ids,
+                          ReleaseReason why);
+  // Builds the job's optimizer with `make`, from the regions `region_ids` (in that order), and
+  // installs it; the session that registered it is closed if it fails. Called under the lock, so
+  // no other session sees the job half set up.
+  using OptimizerFactory = std::function<absl::StatusOr<std::shared_ptr<JobOptimizer>>(
+      const std::string& job, const std::vector<std::shared_ptr<Region>>& regions)>;
+  absl::Status InstallOptimizer(uint64_t session_id, const JobRef& job,
+                                const std::vector<uint64_t>& region_ids,
+                                const OptimizerFactory& make);
+  // --- end of optimizer registration -----------------------------------------------------------
   // The optimizer of a session's job (NOT_FOUND when there is none).
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerOf(uint64_t session_id);
   // A dup of a region's memfd, for a session of the region's job.
@@ -100,7 +135,7 @@ class Registry final {
   // The session's side connection closed (the process exited or was killed). Idempotent.
   void SessionDisconnected(uint64_t session_id);
   // Ends a session for `why` (logged); its job is released with its last session. Idempotent.
-  void EndSession(uint64_t session_id, const char* why);
+  void EndSession(uint64_t session_id, ReleaseReason why);
   // Releases jobs orphaned for longer than the grace period, and returns the sessions whose
   // optimizer failed, with the failure, each once: the caller tells each connection why, then
   // ends the session (EndSession), so the client reads the reason before anything else fails.
@@ -162,10 +197,10 @@ class Registry final {
   absl::StatusOr<Session*> FindSession(uint64_t session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
   // the lock is dropped.
-  void ReleaseJobLocked(const std::string& name, const char* why, Released& dead)
+  void ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; releases its job when it was the last and the grace period is zero.
-  void RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead)
+  void RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Released& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
   absl::StatusOr<v1::RegionInfo> AllocInternal(uint64_t session_id, const std::string& name,

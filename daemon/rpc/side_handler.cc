@@ -181,7 +181,7 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
       break;
     }
     case v1::SideRequest::kRegisterOptimizer: {
-      auto r = registry_.RegisterOptimizer(sid, request.register_optimizer());
+      auto r = registrar_.Register(sid, request.register_optimizer());
       if (!r.ok()) {
         SetError(out.reply, r.status());
       } else {

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "daemon/jobs/registry.h"
+#include "daemon/optimizer/registrar.h"
 #include "proto/tsd.pb.h"
 
 namespace tsd {
@@ -34,7 +35,7 @@ struct SideOutcome {
 
 class SideHandler final {
  public:
-  explicit SideHandler(Registry& registry) : registry_(registry) {}
+  explicit SideHandler(Registry& registry) : registry_(registry), registrar_(registry) {}
 
   // Serves `request` for `caller`; `fd` (or -1) is a descriptor that came with it, which this
   // takes (it is closed unless the request is a state request that uses it).
@@ -46,6 +47,7 @@ class SideHandler final {
   absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd);
 
   Registry& registry_;
+  Registrar registrar_;
 };
 
 }  // namespace tsd

@@ -353,7 +353,7 @@ void SideServer::NotifyClosed(const std::vector<ClosedSession>& closed) {
       if (it != by_session_.end()) c = it->second;
     }
     if (c == nullptr) {  // its connection is closing already
-      registry_.EndSession(cs.session_id, "optimizer_failed");
+      registry_.EndSession(cs.session_id, ReleaseReason::kOptimizerFailed);
       continue;
     }
     v1::SideReply notice;
@@ -364,7 +364,7 @@ void SideServer::NotifyClosed(const std::vector<ClosedSession>& closed) {
     Send(*c, notice);  // first, so the client reads why before any request of it fails
     spdlog::info("event=session_closed_notice session={} uid={} pid={} reason=\"{}\"",
                  cs.session_id, c->uid, c->pid, cs.reason);
-    registry_.EndSession(cs.session_id, "optimizer_failed");
+    registry_.EndSession(cs.session_id, ReleaseReason::kOptimizerFailed);
     RequestClose(c, "optimizer_failed");
   }
 }
