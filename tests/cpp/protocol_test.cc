@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
@@ -221,6 +222,33 @@ TEST(Protocol, ALargeStateSaveStallsNoOtherClient) {
   if (save_s < 0.1) GTEST_SKIP() << "the save took only " << save_s << " s: too fast to tell";
   EXPECT_LT(other_end, save_end) << "the bystander waited for the save";
   EXPECT_LT(other_s, save_s / 2);
+}
+
+// Connections that never attach hold no pending session and no slot anyone else needs (the old
+// protocol's pending attaches could lock every other user out): a client attaches and allocates
+// at once beside 300 of them, and they cost the daemon nothing once closed.
+TEST(Protocol, IdleConnectionsWithoutAnAttachLockNobodyOut) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  auto observer = d->Connect();
+  const int fds_before = d->OpenFds();
+  std::vector<std::unique_ptr<RawSession>> idle;
+  for (int i = 0; i < 300; ++i) {
+    idle.push_back(std::make_unique<RawSession>(d->socket()));
+    idle.back()->ConnectSide();
+  }
+  const auto t0 = Clock::now();
+  auto c = d->Connect();
+  ASSERT_TRUE(c->Attach("not-locked-out").ok());
+  ASSERT_TRUE(c->Alloc("r", 1 << 20).ok());
+  EXPECT_LT(Seconds(t0, Clock::now()), 1.0);
+  auto st = observer->Status();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->sessions, 1u) << "idle connections are not sessions";
+  idle.clear();
+  c.reset();
+  EXPECT_TRUE(WaitFor([&] { return d->OpenFds() <= fds_before; }, 5))
+      << d->OpenFds() << " descriptors now, " << fds_before << " before";
 }
 
 }  // namespace
