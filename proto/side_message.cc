@@ -217,9 +217,9 @@ absl::StatusOr<bool> SideAssembler<M>::Feed(Datagram datagram, uint64_t* request
     return fail(absl::StrCat("a fragment of request ", piece.request_id(),
                              " arrived while request ", partial_id_, " was incomplete"));
   }
-  if (partial_.size() + piece.fragment().size() > kMaxSideMessageBytes) {
+  if (partial_.size() + piece.fragment().size() > max_bytes_) {
     return fail(absl::StrCat("side message of request ", piece.request_id(), " exceeds ",
-                             FormatBytes(kMaxSideMessageBytes)));
+                             FormatBytes(max_bytes_)));
   }
   partial_ += piece.fragment();
   partial_id_ = piece.request_id();

@@ -34,7 +34,8 @@ std::string ExplainParseFailure(const std::string& bytes, const std::string& typ
 template <typename M>
 class SideAssembler {
  public:
-  SideAssembler() = default;
+  // `max_bytes`: the largest message put together from fragments.
+  explicit SideAssembler(size_t max_bytes = kMaxSideMessageBytes) : max_bytes_(max_bytes) {}
   ~SideAssembler() { Reset(); }
   SideAssembler(const SideAssembler&) = delete;
   SideAssembler& operator=(const SideAssembler&) = delete;
@@ -53,8 +54,11 @@ class SideAssembler {
   }
   // Drops a half-assembled message and its descriptor.
   void Reset();
+  // Bytes of a half-assembled message held now.
+  size_t pending_bytes() const { return partial_.size(); }
 
  private:
+  const size_t max_bytes_;
   M message_;
   std::string partial_;
   uint64_t partial_id_ = 0;

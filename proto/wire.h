@@ -18,9 +18,12 @@ namespace tsd::wire {
 inline constexpr uint32_t kProtocolVersion = 2;
 // Largest datagram either side sends or accepts on the side socket.
 inline constexpr size_t kMaxSideDatagramBytes = 64 * 1024;
-// Largest side message once its fragments are put together (a registration of 65,536 buckets
-// and its layout fit with room to spare).
+// Largest side message once its fragments are put together: a reply (a registration's layout
+// for 65,536 buckets, a long region list) ...
 inline constexpr size_t kMaxSideMessageBytes = 16 * 1024 * 1024;
+// ... and a request, which the daemon holds while it arrives (a registration of 65,536 buckets
+// and 1,024 groups takes under 1 MiB).
+inline constexpr size_t kMaxSideRequestBytes = 4 * 1024 * 1024;
 // Names of jobs and regions: 1..kMaxNameBytes characters of [A-Za-z0-9._:/-], not starting with
 // '/' or '.'.
 inline constexpr size_t kMaxNameBytes = 128;

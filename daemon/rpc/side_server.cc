@@ -20,6 +20,8 @@ constexpr size_t kMaxConnections = 8192;
 // One uid may hold this many connections, so no uid can take every slot from the others.
 constexpr size_t kMaxConnectionsPerUid = 1024;
 constexpr int kSweepIntervalMs = 100;
+// Half-assembled requests of all connections together may hold at most this much.
+constexpr size_t kMaxPendingBytes = 64ull << 20;
 // How long a reply waits for a client that does not read before the connection is given up.
 constexpr int kSendTimeoutMs = 5000;
 constexpr uint64_t kListenKey = 0;
@@ -203,7 +205,33 @@ void SideServer::HandleReadable(const ConnPtr& c) {
     }
     if (would_block) break;
     uint64_t request_id = 0;
+    const size_t pending_before = c->assembler.pending_bytes();
     auto whole = c->assembler.Feed(std::move(*dgram), &request_id);
+    const size_t pending_after = c->assembler.pending_bytes();
+    pending_bytes_ += pending_after;
+    pending_bytes_ -= pending_before;
+    if (whole.ok() && !*whole) {
+      bool attached;
+      {
+        MutexLock lock(c->mu);
+        attached = c->session_id != 0;
+      }
+      absl::Status refused;
+      if (!attached) {
+        refused = absl::FailedPreconditionError(
+            "a fragmented request before SideAttach; the attach fits one datagram, and only "
+            "requests of a session may travel in fragments");
+      } else if (pending_bytes_.load() > kMaxPendingBytes) {
+        refused = absl::ResourceExhaustedError(absl::StrCat(
+            "tsd holds ", wire::FormatBytes(kMaxPendingBytes),
+            " of half-sent requests from all clients, its limit; send the request again shortly"));
+      }
+      if (!refused.ok()) {
+        pending_bytes_ -= pending_after;
+        c->assembler.Reset();
+        whole = refused;
+      }
+    }
     if (!whole.ok()) {
       uint64_t session_id;
       {
@@ -328,6 +356,7 @@ void SideServer::FinishClose(const ConnPtr& c, const std::string& why) {
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd, nullptr);
     close(c->fd);
   }
+  pending_bytes_ -= c->assembler.pending_bytes();
   c->assembler.Reset();
   {
     MutexLock lock(mu_);

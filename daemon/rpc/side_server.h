@@ -56,7 +56,7 @@ class SideServer final {
     uid_t uid = 0;
     pid_t pid = 0;
     uint64_t serial = 0;  // the epoll key: never reused, unlike descriptor numbers
-    wire::SideAssembler<v1::SideRequest> assembler;
+    wire::SideAssembler<v1::SideRequest> assembler{wire::kMaxSideRequestBytes};
     Mutex send_mu;  // one message at a time: a reply's fragments never interleave with a notice
     Mutex mu;
     uint64_t session_id ABSL_GUARDED_BY(mu) = 0;
@@ -94,6 +94,9 @@ class SideServer final {
   std::string shutdown_notice_;  // written before stopping_ is set, read by the loop after
   std::atomic<bool> stopping_{false};
   std::atomic<size_t> open_connections_{0};
+  // Bytes of half-assembled requests over all connections (bounded, so that many connections
+  // sending fragments slowly cannot make the daemon hold unbounded memory).
+  std::atomic<size_t> pending_bytes_{0};
   Mutex mu_;  // never held while calling the registry or sending
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 2;  // 0: the listener, 1: the wake-up eventfd
   std::map<uint64_t, ConnPtr> conns_ ABSL_GUARDED_BY(mu_);

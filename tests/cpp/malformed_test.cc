@@ -1,8 +1,13 @@
 // Malformed input, from a hostile or broken client: zero and huge sizes, bad names, unknown ids,
 // and garbage, truncated, oversized or descriptor-carrying datagrams on the side socket. Each gets
 // a clear error, nothing changes, and a second, well-behaved client keeps working throughout.
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <memory>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -10,6 +15,7 @@
 #include "daemon_process.h"
 #include "proto/side_message.h"
 #include "proto/wire.h"
+#include "tsd/optimizer.h"
 
 namespace tsd::testing {
 namespace {
@@ -218,6 +224,76 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
   EXPECT_GE(fd, 0);
   if (fd >= 0) close(fd);
   ExpectBystanderFine((1 << 20) + 8192);
+}
+
+// Requests too large for one datagram travel in fragments; the daemon bounds what it holds of
+// half-sent ones: per request, in all (so slow senders cannot make it hold unbounded memory), and
+// not at all before an attach. The bystander is served throughout.
+TEST_F(Malformed, HalfSentRequestsAreBounded) {
+  auto fragment = [](uint64_t id) {
+    v1::SideRequest f;
+    f.set_request_id(id);
+    f.set_fragment(std::string(wire::kMaxSideDatagramBytes - 64, 'f'));
+    f.set_more_fragments(true);
+    return f.SerializeAsString();
+  };
+  // Before an attach: refused and closed.
+  RawSession early(daemon_->socket());
+  early.ConnectSide();
+  bool closed = false;
+  v1::SideReply r = early.SendRaw(fragment(1), &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(r.message(), HasSubstr("before SideAttach"));
+  EXPECT_TRUE(closed);
+  // One request larger than the request limit.
+  RawSession big(daemon_->socket());
+  big.Open("big-sender");
+  const size_t per_request = wire::kMaxSideRequestBytes / (wire::kMaxSideDatagramBytes - 64);
+  for (size_t i = 0; i < per_request; ++i) {
+    ASSERT_TRUE(wire::SendDatagram(big.side_fd(), fragment(5), -1, 5000).ok());
+  }
+  ASSERT_TRUE(wire::SendDatagram(big.side_fd(), fragment(5), -1, 5000).ok());
+  ASSERT_TRUE(big.Read(&r, 5000));
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("exceeds 4 MiB"));
+  EXPECT_EQ(r.request_id(), 5u);
+  // Many sessions each holding most of a request: the one that takes the total past 64 MiB is
+  // refused. (SIOCOUTQ says when the daemon has read everything a session sent.)
+  std::vector<std::unique_ptr<RawSession>> slow;
+  int first_refused = -1;
+  const size_t each = (per_request - 2) * (wire::kMaxSideDatagramBytes - 64);
+  for (int s = 0; s < 20 && first_refused < 0; ++s) {
+    slow.push_back(std::make_unique<RawSession>(daemon_->socket()));
+    slow.back()->Open("slow-" + std::to_string(s));
+    const int fd = slow.back()->side_fd();
+    for (size_t i = 0; i + 2 < per_request; ++i) {
+      ASSERT_TRUE(wire::SendDatagram(fd, fragment(9), -1, 5000).ok());
+    }
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          int unread = -1;
+          return ioctl(fd, SIOCOUTQ, &unread) == 0 && unread == 0;
+        },
+        5));
+    v1::SideReply maybe;
+    if (slow.back()->Read(&maybe, 50)) {
+      EXPECT_EQ(maybe.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+      EXPECT_THAT(maybe.message(), HasSubstr("half-sent requests from all clients"));
+      first_refused = s;
+    }
+  }
+  EXPECT_EQ(first_refused, static_cast<int>((64u << 20) / each))
+      << "the session that takes the total past 64 MiB";
+  ExpectBystanderFine(1 << 20);
+  // Once they go, what they held is released: a fragmented request goes through again.
+  slow.clear();
+  auto c = daemon_->Connect();
+  ASSERT_TRUE(c->Attach("after-the-flood").ok());
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  for (uint32_t b = 0; b < 20000; ++b) spec.buckets.push_back({0, 64, DType::kF32, DType::kF32});
+  auto opt = c->RegisterOptimizer(spec);
+  EXPECT_TRUE(opt.ok()) << opt.status();
 }
 
 }  // namespace
