@@ -157,8 +157,8 @@ TEST(LoadConfig, TheSocketDefaultsToSystemdsRuntimeDirectory) {
 // deploy/tsd.toml (installed as /etc/tsd/tsd.toml) lists every setting, commented out, with its
 // default: uncommented, it must load to exactly what no file at all gives.
 TEST(ShippedConfig, ListsEverySettingWithItsDefault) {
-  const std::filesystem::path shipped =
-      std::filesystem::path(__FILE__).parent_path() / "../../deploy/tsd.toml";
+  const std::filesystem::path shipped = std::filesystem::path(TSD_SOURCE_DIR) /
+                                        "deploy/tsd.toml";  // __FILE__ may be relative (ccache)
   std::ifstream in(shipped);
   ASSERT_TRUE(in.good()) << shipped;
   std::string uncommented, line;
