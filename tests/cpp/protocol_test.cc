@@ -3,10 +3,14 @@
 // mismatch refused with which side to upgrade, the shutdown notice, messages larger than a
 // datagram, and a slow request (saving a large optimizer state) that stalls nobody else.
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
@@ -249,6 +253,88 @@ TEST(Protocol, IdleConnectionsWithoutAnAttachLockNobodyOut) {
   c.reset();
   EXPECT_TRUE(WaitFor([&] { return d->OpenFds() <= fds_before; }, 5))
       << d->OpenFds() << " descriptors now, " << fds_before << " before";
+}
+
+// A stand-in daemon whose side socket answers the attach properly and then replies to the next
+// request with another request's id, as a confused or hostile tsd might.
+class MisnumberingDaemon {
+ public:
+  explicit MisnumberingDaemon(const std::string& dir) : socket_(dir + "/fake.sock") {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_, grpc::InsecureServerCredentials());
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    listen_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string side = wire::SideSocketPath(socket_);
+    std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+    EXPECT_EQ(bind(listen_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    EXPECT_EQ(listen(listen_, 4), 0);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~MisnumberingDaemon() {
+    thread_.join();
+    close(listen_);
+    server_->Shutdown();
+  }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  class Service final : public v1::Tsd::Service {
+    grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*,
+                        v1::StatusResponse* r) override {
+      r->set_protocol_version(wire::kProtocolVersion);
+      return grpc::Status::OK;
+    }
+  };
+  void Serve() {
+    const int c = accept4(listen_, nullptr, nullptr, SOCK_CLOEXEC);
+    ASSERT_GE(c, 0);
+    for (int n = 0; n < 2; ++n) {
+      auto d = wire::ReceiveDatagram(c, false);
+      ASSERT_TRUE(d.ok());
+      v1::SideRequest req;
+      ASSERT_TRUE(req.ParseFromString(d->bytes));
+      v1::SideReply reply;
+      if (req.has_attach()) {
+        reply.set_request_id(req.request_id());
+        reply.mutable_attach()->set_session_id(1);
+        reply.mutable_attach()->set_job(req.attach().job());
+        reply.mutable_attach()->set_protocol_version(wire::kProtocolVersion);
+      } else {
+        reply.set_request_id(req.request_id() + 5);  // the wrong request
+        reply.mutable_list_regions();
+      }
+      ASSERT_TRUE(wire::SendSideMessage(c, reply, -1, 1000).ok());
+    }
+    // The client hangs up on a misnumbered reply.
+    EXPECT_FALSE(wire::ReceiveDatagram(c, false).ok());
+    close(c);
+  }
+  std::string socket_;
+  Service service_;
+  std::unique_ptr<grpc::Server> server_;
+  int listen_ = -1;
+  std::thread thread_;
+};
+
+TEST(Protocol, AReplyToAnotherRequestIsAProtocolErrorThatEndsTheSession) {
+  char dir[] = "/tmp/tsd-misnumber-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  {
+    MisnumberingDaemon fake(dir);
+    auto c = tsd::Client::Connect(fake.socket());
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->Attach("numbered").ok());
+    auto r = (*c)->ListRegions();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInternal);
+    EXPECT_THAT(std::string(r.status().message()),
+                HasSubstr("tsd answered request 7 while this client waited for request 2"));
+    EXPECT_FALSE((*c)->attached());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
