@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <random>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -160,6 +161,39 @@ TEST(SideMessage, ParseFailuresSayWhereAndWhy) {
   EXPECT_THAT(ExplainParseFailure(bytes, type),
               ::testing::HasSubstr("in field 6 (alloc) (tsd.v1.AllocRequest): at byte 2: field 2 "
                                    "(name) is not valid UTF-8"));
+}
+
+// Random and mutated datagrams never crash the reader; every refusal says something.
+TEST(SideMessage, RandomAndMutatedDatagramsAreRefusedWithAReason) {
+  std::mt19937 rng(7);
+  v1::SideRequest valid;
+  valid.set_request_id(3);
+  valid.mutable_register_optimizer()->add_groups()->set_lr(1e-3);
+  valid.mutable_register_optimizer()->add_buckets()->set_numel(10);
+  const std::string seed = valid.SerializeAsString();
+  int refused = 0;
+  for (int i = 0; i < 20000; ++i) {
+    std::string bytes;
+    if (i % 2 == 0) {
+      bytes.resize(std::uniform_int_distribution<size_t>(1, 64)(rng));
+      for (char& c : bytes) c = static_cast<char>(rng());
+    } else {
+      bytes = seed;
+      for (int k = 0; k < 3; ++k) bytes[rng() % bytes.size()] = static_cast<char>(rng());
+      bytes.resize(std::uniform_int_distribution<size_t>(1, bytes.size())(rng));
+    }
+    SideAssembler<v1::SideRequest> in;
+    Datagram d;
+    d.bytes = bytes;
+    uint64_t id = 0;
+    auto r = in.Feed(std::move(d), &id);
+    if (!r.ok()) {
+      ++refused;
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_GT(r.status().message().size(), 40u) << r.status();
+    }
+  }
+  EXPECT_GT(refused, 1000);
 }
 
 }  // namespace
