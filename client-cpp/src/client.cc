@@ -81,6 +81,7 @@ struct Client::Impl {
   // Why the session's connection closed without a Detach (calls fail with it until the next
   // Attach); empty while attached and after a Detach.
   std::string closed_why ABSL_GUARDED_BY(mu);
+  absl::StatusCode closed_code ABSL_GUARDED_BY(mu) = absl::StatusCode::kUnavailable;
   absl::Duration request_timeout ABSL_GUARDED_BY(mu) = kDefaultRequestTimeout;
 
   ~Impl() {
@@ -89,7 +90,9 @@ struct Client::Impl {
   }
 
   // Closes the session's connection; `why` is what later calls are told.
-  void CloseSide(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void CloseSide(const std::string& why, absl::StatusCode code = absl::StatusCode::kUnavailable)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    closed_code = code;
     if (side_fd >= 0) close(side_fd);
     side_fd = -1;
     attached = false;
@@ -97,8 +100,13 @@ struct Client::Impl {
     closed_why = why;
   }
 
+  // Why calls fail after the connection closed without a Detach.
+  absl::Status Closed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return absl::Status(closed_code, closed_why);
+  }
+
   absl::Status NotAttached() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (!closed_why.empty()) return absl::UnavailableError(closed_why);
+    if (!closed_why.empty()) return Closed();
     return absl::FailedPreconditionError("this client is not attached to a job; attach first");
   }
 
@@ -120,8 +128,11 @@ struct Client::Impl {
                                                                      : Notice::Kind::kOther;
       n.message = m.notice().message();
       last_notice = n;
-      CloseSide(n.message);
-      return absl::UnavailableError(n.message);
+      // A session tsd closed (e.g. its optimizer saw a protocol violation) is ABORTED, which
+      // the Python package raises as SessionClosed; a shutdown is UNAVAILABLE.
+      CloseSide(n.message, n.kind == Notice::Kind::kSessionClosed ? absl::StatusCode::kAborted
+                                                                  : absl::StatusCode::kUnavailable);
+      return Closed();
     }
     std::string why;
     if (m.request_id() == 0) {
@@ -169,7 +180,7 @@ struct Client::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (side_fd < 0) return NotAttached();
     Pump();  // a notice that came while idle ends the session before we ask anything
-    if (side_fd < 0) return absl::UnavailableError(closed_why);
+    if (side_fd < 0) return Closed();
     const uint64_t id = next_request_id++;
     req.set_request_id(id);
     const absl::Time deadline = absl::Now() + timeout;
@@ -177,10 +188,10 @@ struct Client::Impl {
         std::min<int64_t>(absl::ToInt64Milliseconds(timeout) + 1, std::numeric_limits<int>::max()));
     if (absl::Status s = wire::SendSideMessage(side_fd, req, fd, timeout_ms); !s.ok()) {
       Pump();
-      if (side_fd < 0) return absl::UnavailableError(closed_why);
+      if (side_fd < 0) return Closed();
       CloseSide(absl::StrCat("sending a ", what, " request to tsd failed (", s.message(),
                              "); the session ended: attach again"));
-      return absl::UnavailableError(closed_why);
+      return Closed();
     }
     for (;;) {
       const absl::Duration left = deadline - absl::Now();
@@ -204,7 +215,7 @@ struct Client::Impl {
       auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/true, &would_block);
       if (!d.ok()) {
         CloseSide(ClosedByTsd());
-        return absl::UnavailableError(closed_why);
+        return Closed();
       }
       if (would_block) continue;
       uint64_t got = 0;
@@ -245,7 +256,7 @@ struct Client::Impl {
   absl::Status Explain(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return wire::FromGrpc(s);
     Pump();
-    if (last_notice && !closed_why.empty()) return absl::UnavailableError(closed_why);
+    if (last_notice && !closed_why.empty()) return Closed();
     return absl::UnavailableError(absl::StrCat("tsd at ", socket_path, " is not answering (",
                                                s.error_message(), "); ", HowToStart(socket_path)));
   }
