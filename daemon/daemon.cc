@@ -150,7 +150,7 @@ int RunDaemon(const Config& config) {
   SideServer side(registry);
   if (absl::Status s = side.Listen(side_path, *gid); !s.ok()) return Fail(s);
 
-  TsdService service(registry, side_path, memlock.can_lock);
+  TsdService service(registry, memlock.can_lock);
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
   builder.RegisterService(&service);

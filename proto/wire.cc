@@ -1,10 +1,13 @@
 #include "proto/wire.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -79,10 +82,10 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::Status SendDatagram(int sock, const std::string& bytes, int fd) {
-  if (bytes.size() > kMaxSideMessageBytes) {
+absl::Status SendDatagram(int sock, const std::string& bytes, int fd, int timeout_ms) {
+  if (bytes.size() > kMaxSideDatagramBytes) {
     return absl::InternalError(
-        absl::StrCat("side message of ", bytes.size(), " bytes exceeds ", kMaxSideMessageBytes));
+        absl::StrCat("side datagram of ", bytes.size(), " bytes exceeds ", kMaxSideDatagramBytes));
   }
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
@@ -99,10 +102,27 @@ absl::Status SendDatagram(int sock, const std::string& bytes, int fd) {
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
   }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   for (;;) {
     const ssize_t n = sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n >= 0) return absl::OkStatus();
     if (errno == EINTR) continue;
+    if ((errno == EAGAIN || errno == EWOULDBLOCK) && timeout_ms > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        return absl::UnavailableError(
+            absl::StrCat("side socket send failed: the peer read nothing for ", timeout_ms, " ms"));
+      }
+      // POLLOUT may report room for a smaller datagram than ours: wait in short slices.
+      pollfd p{sock, POLLOUT, 0};
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+      if (poll(&p, 1, static_cast<int>(std::min<int64_t>(left + 1, 10))) < 0 && errno != EINTR) {
+        return absl::UnavailableError(
+            absl::StrCat("side socket poll failed: ", std::strerror(errno)));
+      }
+      continue;
+    }
     return absl::UnavailableError(absl::StrCat("side socket send failed: ", std::strerror(errno)));
   }
 }
@@ -110,7 +130,7 @@ absl::Status SendDatagram(int sock, const std::string& bytes, int fd) {
 absl::StatusOr<Datagram> ReceiveDatagram(int sock, bool nonblocking, bool* would_block) {
   if (would_block != nullptr) *would_block = false;
   Datagram out;
-  out.bytes.resize(kMaxSideMessageBytes);
+  out.bytes.resize(kMaxSideDatagramBytes);
   iovec iov{out.bytes.data(), out.bytes.size()};
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 16)];
   msghdr msg{};

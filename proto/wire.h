@@ -13,11 +13,17 @@
 namespace tsd::wire {
 
 // The protocol version; bumped with every incompatible change to tsd.proto or this header.
-inline constexpr uint32_t kProtocolVersion = 1;
+// Version 2: every call of a session travels on the side socket (bound to the caller's uid),
+// with request ids and notices; gRPC keeps the sessionless calls.
+inline constexpr uint32_t kProtocolVersion = 2;
 // Largest datagram either side sends or accepts on the side socket.
-inline constexpr size_t kMaxSideMessageBytes = 64 * 1024;
-// Length of a session token.
-inline constexpr size_t kTokenBytes = 32;
+inline constexpr size_t kMaxSideDatagramBytes = 64 * 1024;
+// Largest side message once its fragments are put together: a reply (a registration's layout
+// for 65,536 buckets, a long region list) ...
+inline constexpr size_t kMaxSideMessageBytes = 16 * 1024 * 1024;
+// ... and a request, which the daemon holds while it arrives (a registration of 65,536 buckets
+// and 1,024 groups takes under 1 MiB).
+inline constexpr size_t kMaxSideRequestBytes = 4 * 1024 * 1024;
 // Names of jobs and regions: 1..kMaxNameBytes characters of [A-Za-z0-9._:/-], not starting with
 // '/' or '.'.
 inline constexpr size_t kMaxNameBytes = 128;
@@ -46,15 +52,16 @@ std::string LockFilePath(const std::string& socket_path);
 absl::Status ValidateName(const std::string& what, const std::string& name);
 
 // Sends one datagram on a SOCK_SEQPACKET socket, with `fd` attached as SCM_RIGHTS when >= 0.
-// Never blocks: a peer that does not read gets UNAVAILABLE.
-absl::Status SendDatagram(int sock, const std::string& bytes, int fd = -1);
+// Waits up to `timeout_ms` for room when the peer's queue is full (0: never waits); a peer that
+// does not read in that time gets UNAVAILABLE.
+absl::Status SendDatagram(int sock, const std::string& bytes, int fd = -1, int timeout_ms = 0);
 
 // One received datagram. `fd` is the first descriptor that came with it (or -1); any others are
 // closed. The caller owns `fd`.
 struct Datagram {
   std::string bytes;
   int fd = -1;
-  bool truncated = false;  // the peer sent more than kMaxSideMessageBytes
+  bool truncated = false;  // the peer sent more than kMaxSideDatagramBytes
 };
 // Receives one datagram. The peer closing gives UNAVAILABLE; when `nonblocking` and nothing is
 // queued, returns an empty datagram and sets `*would_block`.

@@ -12,22 +12,27 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <mutex>
+#include <limits>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_host.h"
+#include "proto/mutex.h"
+#include "proto/side_message.h"
 #include "proto/status_convert.h"
+#include "proto/status_macros.h"
 #include "proto/tsd.grpc.pb.h"
 #include "proto/wire.h"
 
 namespace tsd {
 namespace {
 
-constexpr auto kControlDeadline = std::chrono::seconds(60);  // allocations populate memory
-constexpr int kSideReplyTimeoutMs = 30000;
+// Allocations populate and lock memory, registrations allocate several regions: generous.
+constexpr absl::Duration kDefaultRequestTimeout = absl::Seconds(120);
+// Saving or loading a large optimizer state moves tens of GiB.
+constexpr absl::Duration kMinStateTimeout = absl::Hours(1);
 
 std::string HowToStart(const std::string& path) {
   return absl::StrCat(
@@ -60,90 +65,220 @@ void Region::Unmap() {
 // Client
 
 struct Client::Impl {
+  std::string socket_path;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Tsd::Stub> stub;
 
-  mutable std::mutex mu;
+  mutable Mutex mu;
   bool attached ABSL_GUARDED_BY(mu) = false;
-  v1::SessionRef session ABSL_GUARDED_BY(mu);
+  uint64_t session_id ABSL_GUARDED_BY(mu) = 0;
   std::string job ABSL_GUARDED_BY(mu);
   uint64_t quota_bytes ABSL_GUARDED_BY(mu) = 0;
   int side_fd ABSL_GUARDED_BY(mu) = -1;
-  std::string notice ABSL_GUARDED_BY(mu);  // what the daemon said when it closed on us
+  uint64_t next_request_id ABSL_GUARDED_BY(mu) = 1;
+  wire::SideAssembler<v1::SideReply> assembler ABSL_GUARDED_BY(mu);
+  std::optional<Notice> last_notice ABSL_GUARDED_BY(mu);
+  // Why the session's connection closed without a Detach (calls fail with it until the next
+  // Attach); empty while attached and after a Detach.
+  std::string closed_why ABSL_GUARDED_BY(mu);
+  absl::StatusCode closed_code ABSL_GUARDED_BY(mu) = absl::StatusCode::kUnavailable;
+  absl::Duration request_timeout ABSL_GUARDED_BY(mu) = kDefaultRequestTimeout;
 
   ~Impl() {
+    MutexLock lock(mu);
     if (side_fd >= 0) close(side_fd);
   }
 
-  // Reads one reply from the side socket, waiting up to the timeout. A notice (e.g. shutdown)
-  // becomes an error carrying the daemon's words.
-  absl::StatusOr<std::pair<v1::SideReply, int>> ReadSide() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    pollfd p{side_fd, POLLIN, 0};
-    const int ready = poll(&p, 1, kSideReplyTimeoutMs);
-    if (ready == 0)
-      return absl::DeadlineExceededError("tsd did not answer on the side socket in time");
-    auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/false);
-    if (!d.ok()) {
-      return absl::UnavailableError(notice.empty()
-                                        ? "tsd closed the session's side connection (it stopped "
-                                          "or dropped this session)"
-                                        : notice);
+  // Closes the session's connection; `why` is what later calls are told.
+  void CloseSide(const std::string& why, absl::StatusCode code = absl::StatusCode::kUnavailable)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    closed_code = code;
+    if (side_fd >= 0) close(side_fd);
+    side_fd = -1;
+    attached = false;
+    assembler.Reset();
+    closed_why = why;
+  }
+
+  // Why calls fail after the connection closed without a Detach.
+  absl::Status Closed() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return absl::Status(closed_code, closed_why);
+  }
+
+  absl::Status NotAttached() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!closed_why.empty()) return Closed();
+    return absl::FailedPreconditionError("this client is not attached to a job; attach first");
+  }
+
+  std::string ClosedByTsd() const {
+    return absl::StrCat("tsd at ", socket_path,
+                        " closed this session's connection (the daemon stopped, was killed or "
+                        "dropped the session); restart it if needed and attach again");
+  }
+
+  // Handles a whole message that is not the reply a call waits for: a notice is kept and ends
+  // the session (tsd closes the connection after one); anything else is a protocol error.
+  absl::Status Unsolicited(v1::SideReply& m, int fd, uint64_t waiting_for)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (fd >= 0) close(fd);
+    if (m.request_id() == 0 && m.has_notice()) {
+      Notice n;
+      n.kind = m.notice().kind() == v1::SideNotice::SHUTDOWN         ? Notice::Kind::kShutdown
+               : m.notice().kind() == v1::SideNotice::SESSION_CLOSED ? Notice::Kind::kSessionClosed
+                                                                     : Notice::Kind::kOther;
+      n.message = m.notice().message();
+      last_notice = n;
+      // A session tsd closed (e.g. its optimizer saw a protocol violation) is ABORTED, which
+      // the Python package raises as SessionClosed; a shutdown is UNAVAILABLE.
+      CloseSide(n.message, n.kind == Notice::Kind::kSessionClosed ? absl::StatusCode::kAborted
+                                                                  : absl::StatusCode::kUnavailable);
+      return Closed();
     }
-    v1::SideReply reply;
-    if (!reply.ParseFromString(d->bytes)) {
-      if (d->fd >= 0) close(d->fd);
-      return absl::InternalError(
-          "tsd sent a side reply this client cannot parse (version mismatch?)");
+    std::string why;
+    if (m.request_id() == 0) {
+      why = absl::StrCat("tsd could not read a request of this client: ", m.message());
+    } else if (waiting_for == 0) {
+      why = absl::StrCat("protocol error: tsd sent a reply to request ", m.request_id(),
+                         " while no request was in flight");
+    } else {
+      why = absl::StrCat("protocol error: tsd answered request ", m.request_id(),
+                         " while this client waited for request ", waiting_for);
     }
-    if (reply.has_notice()) {
-      notice = reply.notice().message();
-      if (d->fd >= 0) close(d->fd);
-      return absl::UnavailableError(notice);
+    why += "; the connection was closed, which ended the session: attach again";
+    CloseSide(why);
+    return absl::InternalError(why);
+  }
+
+  // Reads whatever is queued on the connection without waiting: notices, or the end of it.
+  void Pump() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    while (side_fd >= 0) {
+      bool would_block = false;
+      auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/true, &would_block);
+      if (!d.ok()) {
+        CloseSide(ClosedByTsd());
+        return;
+      }
+      if (would_block) return;
+      uint64_t id = 0;
+      auto whole = assembler.Feed(std::move(*d), &id);
+      if (!whole.ok()) {
+        CloseSide(absl::StrCat("tsd sent a side message this client cannot read (",
+                               whole.status().message(), "); the session ended"));
+        return;
+      }
+      if (!*whole) continue;
+      const int fd = assembler.TakeFd();
+      (void)Unsolicited(assembler.message(), fd, 0);
     }
-    if (reply.code() != 0) {
-      if (d->fd >= 0) close(d->fd);
-      return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  }
+
+  // Sends `req` (with `fd`, when >= 0) as the next request of the session and waits for its
+  // reply; an error reply becomes its status. The descriptor that came with the reply (or -1)
+  // belongs to the caller.
+  absl::StatusOr<std::pair<v1::SideReply, int>> Call(v1::SideRequest req, int fd,
+                                                     absl::Duration timeout, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (side_fd < 0) return NotAttached();
+    Pump();  // a notice that came while idle ends the session before we ask anything
+    if (side_fd < 0) return Closed();
+    const uint64_t id = next_request_id++;
+    req.set_request_id(id);
+    const absl::Time deadline = absl::Now() + timeout;
+    const int timeout_ms = static_cast<int>(
+        std::min<int64_t>(absl::ToInt64Milliseconds(timeout) + 1, std::numeric_limits<int>::max()));
+    if (absl::Status s = wire::SendSideMessage(side_fd, req, fd, timeout_ms); !s.ok()) {
+      Pump();
+      if (side_fd < 0) return Closed();
+      CloseSide(absl::StrCat("sending a ", what, " request to tsd failed (", s.message(),
+                             "); the session ended: attach again"));
+      return Closed();
     }
-    return std::make_pair(std::move(reply), d->fd);
+    for (;;) {
+      const absl::Duration left = deadline - absl::Now();
+      pollfd p{side_fd, POLLIN, 0};
+      const int ready =
+          left <= absl::ZeroDuration()
+              ? 0
+              : poll(&p, 1,
+                     static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1,
+                                                        std::numeric_limits<int>::max())));
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) {
+        CloseSide(absl::StrCat(
+            "tsd did not answer request ", id, " (", what, ") within ",
+            absl::FormatDuration(timeout),
+            "; this client closed its connection, which ended the session (tsd releases the job "
+            "with its last session): attach again, or raise the timeout"));
+        return absl::DeadlineExceededError(closed_why);
+      }
+      bool would_block = false;
+      auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/true, &would_block);
+      if (!d.ok()) {
+        CloseSide(ClosedByTsd());
+        return Closed();
+      }
+      if (would_block) continue;
+      uint64_t got = 0;
+      auto whole = assembler.Feed(std::move(*d), &got);
+      if (!whole.ok()) {
+        CloseSide(absl::StrCat("tsd sent a reply this client cannot read (",
+                               whole.status().message(),
+                               "); is tsd of another version? The session ended"));
+        return absl::InternalError(closed_why);
+      }
+      if (!*whole) continue;
+      const int reply_fd = assembler.TakeFd();
+      v1::SideReply& m = assembler.message();
+      if (m.request_id() != id) return Unsolicited(m, reply_fd, id);
+      if (m.code() != 0) {
+        if (reply_fd >= 0) close(reply_fd);
+        return absl::Status(static_cast<absl::StatusCode>(m.code()), m.message());
+      }
+      return std::make_pair(std::move(m), reply_fd);
+    }
+  }
+
+  absl::StatusOr<v1::SideReply> CallNoFd(v1::SideRequest req, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    TSD_ASSIGN_OR_RETURN(auto reply, Call(std::move(req), -1, request_timeout, what));
+    if (reply.second >= 0) close(reply.second);
+    return std::move(reply.first);
   }
 
   // Frees a region of the session's job in the daemon.
-  grpc::Status FreeRegion(uint64_t region_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    v1::FreeRequest req;
-    *req.mutable_session() = session;
-    req.set_region_id(region_id);
-    v1::FreeResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    return stub->Free(&ctx, req, &resp);
-  }
-
-  // Picks up a notice the daemon left on the side socket without waiting.
-  void PollNotice() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (side_fd < 0 || !notice.empty()) return;
-    bool would_block = false;
-    auto d = wire::ReceiveDatagram(side_fd, /*nonblocking=*/true, &would_block);
-    if (!d.ok() || would_block) return;
-    if (d->fd >= 0) close(d->fd);
-    v1::SideReply reply;
-    if (reply.ParseFromString(d->bytes) && reply.has_notice()) notice = reply.notice().message();
+  absl::Status FreeRegion(uint64_t region_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    v1::SideRequest req;
+    req.mutable_free()->set_region_id(region_id);
+    return CallNoFd(std::move(req), "free").status();
   }
 
   // Turns a failed gRPC call into an error that says what happened to the daemon.
-  absl::Status Explain(const grpc::Status& s, const std::string& path)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  absl::Status Explain(const grpc::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return wire::FromGrpc(s);
-    PollNotice();
-    if (!notice.empty()) return absl::UnavailableError(notice);
-    return absl::UnavailableError(absl::StrCat("tsd at ", path, " is not answering (",
-                                               s.error_message(), "); ", HowToStart(path)));
+    Pump();
+    if (last_notice && !closed_why.empty()) return Closed();
+    return absl::UnavailableError(absl::StrCat("tsd at ", socket_path, " is not answering (",
+                                               s.error_message(), "); ", HowToStart(socket_path)));
   }
 };
 
-Client::Client(std::string socket_path) : socket_path_(std::move(socket_path)), impl_(new Impl) {}
+Client::Client(std::string socket_path) : socket_path_(std::move(socket_path)), impl_(new Impl) {
+  impl_->socket_path = socket_path_;
+}
 
 Client::~Client() {
   if (attached()) (void)Detach();
+}
+
+void Client::SetRequestTimeout(absl::Duration timeout) {
+  MutexLock lock(impl_->mu);
+  impl_->request_timeout = timeout;
+}
+
+std::optional<Notice> Client::LastNotice() const {
+  MutexLock lock(impl_->mu);
+  impl_->Pump();  // one that arrived while idle
+  return impl_->last_notice;
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socket_path) {
@@ -176,119 +311,98 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
 }
 
 bool Client::attached() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->attached;
 }
 std::string Client::job() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->job;
 }
 uint64_t Client::quota_bytes() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   return impl_->quota_bytes;
 }
 uint64_t Client::session_id() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->session.session_id();
+  MutexLock lock(impl_->mu);
+  return impl_->session_id;
 }
 
 absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
   if (impl_->attached) {
     return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '",
                                                       impl_->job,
                                                       "'; detach first or use another Client"));
   }
-  v1::AttachRequest req;
-  req.set_job(job);
-  req.set_quota_bytes(quota_bytes);
-  v1::AttachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
-  grpc::Status s = impl_->stub->Attach(&ctx, req, &resp);
-  if (!s.ok()) return impl_->Explain(s, socket_path_);
-
-  // Bind the session on the side socket: the daemon learns our uid there.
+  // The session is this connection: the daemon learns our uid from the kernel here.
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  const std::string& side = resp.side_socket();
+  const std::string side = wire::SideSocketPath(socket_path_);
   if (side.size() >= sizeof(addr.sun_path)) {
     close(fd);
-    return absl::InternalError(absl::StrCat("side socket path '", side, "' is too long"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("side socket path '", side, "' is too long; use a shorter socket path"));
   }
   std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     const int err = errno;
     close(fd);
-    return absl::UnavailableError(
-        absl::StrCat("cannot connect to tsd's side socket ", side, ": ", std::strerror(err)));
+    return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
+                                               std::strerror(err), "; ", HowToStart(socket_path_)));
   }
-  v1::SideRequest hello;
-  *hello.mutable_hello()->mutable_session() = resp.session();
-  std::string bytes;
-  hello.SerializeToString(&bytes);
   impl_->side_fd = fd;
-  impl_->notice.clear();
-  if (absl::Status st = wire::SendDatagram(fd, bytes); !st.ok()) {
-    close(fd);
-    impl_->side_fd = -1;
-    return st;
-  }
-  auto reply = impl_->ReadSide();
+  impl_->closed_why.clear();
+  impl_->assembler.Reset();
+  v1::SideRequest req;
+  auto* a = req.mutable_attach();
+  a->set_job(job);
+  a->set_quota_bytes(quota_bytes);
+  a->set_protocol_version(wire::kProtocolVersion);
+  a->set_client_version(absl::StrCat("tsclient ", TSCLIENT_VERSION));
+  auto reply = impl_->CallNoFd(std::move(req), "attach");
   if (!reply.ok()) {
-    close(fd);
+    // A refused attach leaves no session: close the connection, keep nothing.
+    if (impl_->side_fd >= 0) close(impl_->side_fd);
     impl_->side_fd = -1;
+    impl_->closed_why.clear();
+    impl_->assembler.Reset();
     return reply.status();
   }
   impl_->attached = true;
-  impl_->session = resp.session();
-  impl_->job = reply->first.hello().job();
-  impl_->quota_bytes = reply->first.hello().quota_bytes();
+  impl_->session_id = reply->attach().session_id();
+  impl_->job = reply->attach().job();
+  impl_->quota_bytes = reply->attach().quota_bytes();
   return absl::OkStatus();
 }
 
 absl::Status Client::Detach() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->attached)
-    return absl::FailedPreconditionError("this client is not attached to a job");
-  v1::DetachRequest req;
-  *req.mutable_session() = impl_->session;
-  v1::DetachResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->Detach(&ctx, req, &resp);
-  absl::Status result = s.ok() ? absl::OkStatus() : impl_->Explain(s, socket_path_);
-  // Whatever the daemon said, this session is over here; closing the side connection also ends it
-  // in the daemon if the call did not arrive.
-  close(impl_->side_fd);
-  impl_->side_fd = -1;
-  impl_->attached = false;
-  impl_->session.Clear();
+  MutexLock lock(impl_->mu);
+  if (!impl_->attached) return impl_->NotAttached();
+  v1::SideRequest req;
+  req.mutable_detach();
+  absl::Status result = impl_->CallNoFd(std::move(req), "detach").status();
+  // Whatever the daemon said, this session is over here; closing the connection also ends it in
+  // the daemon if the request did not arrive.
+  impl_->CloseSide("");
+  impl_->session_id = 0;
   return result;
 }
 
 absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) {
   std::shared_ptr<Region> region;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+    MutexLock lock(impl_->mu);
+    if (!impl_->attached) return impl_->NotAttached();
     v1::SideRequest req;
     req.mutable_get_fd()->set_region_id(region_id);
-    std::string bytes;
-    req.SerializeToString(&bytes);
-    if (absl::Status s = wire::SendDatagram(impl_->side_fd, bytes); !s.ok()) {
-      impl_->PollNotice();
-      return impl_->notice.empty() ? s : absl::UnavailableError(impl_->notice);
-    }
-    auto reply = impl_->ReadSide();
-    if (!reply.ok()) return reply.status();
-    const auto& info = reply->first.fd().region();
-    if (reply->second < 0) return absl::InternalError("tsd's reply carried no descriptor");
-    region.reset(
-        new Region(RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()},
-                   reply->second));
+    TSD_ASSIGN_OR_RETURN(auto reply,
+                         impl_->Call(std::move(req), -1, impl_->request_timeout, "get_fd"));
+    const auto& info = reply.first.fd().region();
+    if (reply.second < 0) return absl::InternalError("tsd's reply carried no descriptor");
+    region.reset(new Region(
+        RegionDesc{info.region_id(), info.name(), info.size_bytes(), info.locked()}, reply.second));
   }
   void* p = mmap(nullptr, region->size(), PROT_READ | PROT_WRITE, MAP_SHARED, region->fd(), 0);
   if (p == MAP_FAILED) {
@@ -305,40 +419,33 @@ absl::StatusOr<std::shared_ptr<Region>> Client::FetchAndMap(uint64_t region_id) 
 }
 
 absl::StatusOr<std::shared_ptr<Region>> Client::Alloc(const std::string& name, uint64_t bytes) {
-  v1::AllocResponse resp;
+  uint64_t region_id = 0;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (!impl_->attached) return absl::FailedPreconditionError("attach to a job before allocating");
-    v1::AllocRequest req;
-    *req.mutable_session() = impl_->session;
-    req.set_name(name);
-    req.set_size_bytes(bytes);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
-    grpc::Status s = impl_->stub->Alloc(&ctx, req, &resp);
-    if (!s.ok()) return impl_->Explain(s, socket_path_);
+    MutexLock lock(impl_->mu);
+    if (!impl_->attached) return impl_->NotAttached();
+    v1::SideRequest req;
+    req.mutable_alloc()->set_name(name);
+    req.mutable_alloc()->set_size_bytes(bytes);
+    TSD_ASSIGN_OR_RETURN(v1::SideReply reply, impl_->CallNoFd(std::move(req), "alloc"));
+    region_id = reply.alloc().region().region_id();
   }
-  auto region = FetchAndMap(resp.region().region_id());
+  auto region = FetchAndMap(region_id);
   if (!region.ok()) {
     // Do not leave a region behind that this caller never got.
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    (void)impl_->FreeRegion(resp.region().region_id());
+    MutexLock lock(impl_->mu);
+    if (impl_->attached) (void)impl_->FreeRegion(region_id);
   }
   return region;
 }
 
 absl::StatusOr<std::vector<RegionDesc>> Client::ListRegions() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
-  v1::ListRegionsRequest req;
-  *req.mutable_session() = impl_->session;
-  v1::ListRegionsResponse resp;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->ListRegions(&ctx, req, &resp);
-  if (!s.ok()) return impl_->Explain(s, socket_path_);
+  MutexLock lock(impl_->mu);
+  if (!impl_->attached) return impl_->NotAttached();
+  v1::SideRequest req;
+  req.mutable_list_regions();
+  TSD_ASSIGN_OR_RETURN(v1::SideReply reply, impl_->CallNoFd(std::move(req), "list_regions"));
   std::vector<RegionDesc> out;
-  for (const auto& r : resp.regions())
+  for (const auto& r : reply.list_regions().regions())
     out.push_back({r.region_id(), r.name(), r.size_bytes(), r.locked()});
   return out;
 }
@@ -355,10 +462,9 @@ absl::StatusOr<std::shared_ptr<Region>> Client::Map(const std::string& name) {
 
 absl::Status Client::Free(const std::shared_ptr<Region>& region) {
   if (region == nullptr) return absl::InvalidArgumentError("Free() of a null region");
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
-  grpc::Status s = impl_->FreeRegion(region->id());
-  if (!s.ok()) return impl_->Explain(s, socket_path_);
+  MutexLock lock(impl_->mu);
+  if (!impl_->attached) return impl_->NotAttached();
+  TSD_RETURN_IF_ERROR(impl_->FreeRegion(region->id()));
   region->Unmap();
   return absl::OkStatus();
 }
@@ -370,11 +476,12 @@ absl::StatusOr<PoolStatus> Client::Status() {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = impl_->stub->Status(&ctx, req, &r);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    return impl_->Explain(s, socket_path_);
+    MutexLock lock(impl_->mu);
+    return impl_->Explain(s);
   }
-  return PoolStatus{r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
-                    r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid()};
+  return PoolStatus{
+      r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
+      r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid(),        r.protocol_version()};
 }
 
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
@@ -384,8 +491,8 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = impl_->stub->ListJobs(&ctx, req, &r);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    return impl_->Explain(s, socket_path_);
+    MutexLock lock(impl_->mu);
+    return impl_->Explain(s);
   }
   std::vector<JobStatus> out;
   for (const auto& j : r.jobs()) {
@@ -419,14 +526,13 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
   req.set_seed(spec.seed);
   v1::RegisterOptimizerResponse resp;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (!impl_->attached)
-      return absl::FailedPreconditionError("attach to a job before registering an optimizer");
-    *req.mutable_session() = impl_->session;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + kControlDeadline);
-    grpc::Status s = impl_->stub->RegisterOptimizer(&ctx, req, &resp);
-    if (!s.ok()) return impl_->Explain(s, socket_path_);
+    MutexLock lock(impl_->mu);
+    if (!impl_->attached) return impl_->NotAttached();
+    v1::SideRequest side;
+    *side.mutable_register_optimizer() = std::move(req);
+    TSD_ASSIGN_OR_RETURN(v1::SideReply reply,
+                         impl_->CallNoFd(std::move(side), "register_optimizer"));
+    resp = std::move(*reply.mutable_register_optimizer());
   }
   std::unique_ptr<Optimizer> opt(new Optimizer);
   opt->client_ = this;
@@ -484,8 +590,8 @@ absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec)
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   grpc::Status s = impl_->stub->PlanOptimizer(&ctx, req, &r);
   if (!s.ok()) {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    return impl_->Explain(s, socket_path_);
+    MutexLock lock(impl_->mu);
+    return impl_->Explain(s);
   }
   if (static_cast<size_t>(r.buckets_size()) != spec.buckets.size()) {
     return absl::InternalError(absl::StrCat("tsd planned ", r.buckets_size(), " buckets for ",
@@ -505,42 +611,27 @@ absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec)
 }
 
 absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");
+  MutexLock lock(impl_->mu);
+  if (!impl_->attached) return impl_->NotAttached();
   v1::SideRequest req;
   if (save) {
     req.mutable_save_state();
   } else {
     req.mutable_load_state();
   }
-  std::string bytes;
-  req.SerializeToString(&bytes);
-  if (absl::Status s = wire::SendDatagram(impl_->side_fd, bytes, fd); !s.ok()) return s;
-  auto reply = impl_->ReadSide();
-  if (!reply.ok()) return reply.status();
-  if (reply->second >= 0) close(reply->second);
-  return reply->first.state().bytes();
+  TSD_ASSIGN_OR_RETURN(auto reply, impl_->Call(std::move(req), fd,
+                                               std::max(impl_->request_timeout, kMinStateTimeout),
+                                               save ? "save_state" : "load_state"));
+  if (reply.second >= 0) close(reply.second);
+  return reply.first.state().bytes();
 }
 
 bool Client::DaemonAlive(std::string* why) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  MutexLock lock(impl_->mu);
+  impl_->Pump();
   if (impl_->side_fd < 0) {
-    *why = "this client is not attached to tsd";
+    *why = impl_->closed_why.empty() ? "this client is not attached to tsd" : impl_->closed_why;
     return false;
-  }
-  pollfd p{impl_->side_fd, POLLIN | POLLRDHUP, 0};
-  if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLIN))) {
-    impl_->PollNotice();
-    if (!impl_->notice.empty()) {
-      *why = impl_->notice;
-      return false;
-    }
-    if (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) {
-      *why = absl::StrCat("tsd at ", socket_path_,
-                          " closed this session (the daemon exited or was killed); ",
-                          "restart it and attach again");
-      return false;
-    }
   }
   return true;
 }

@@ -39,8 +39,15 @@ int PrintStatus(tsd::Client& client, bool json) {
     std::cout << j.dump() << "\n";
     return 0;
   }
-  std::printf("tsd %s (pid %u) at %s, up %.0f s\n", s->version.c_str(), s->pid,
-              client.socket_path().c_str(), s->uptime_s);
+  std::printf("tsd %s (pid %u, protocol %u) at %s, up %.0f s\n", s->version.c_str(), s->pid,
+              s->protocol_version, client.socket_path().c_str(), s->uptime_s);
+  if (s->protocol_version != tsd::wire::kProtocolVersion) {
+    std::printf(
+        "note      this tsctl speaks protocol %u: sessions of clients built with it will be "
+        "refused; upgrade the %s\n",
+        tsd::wire::kProtocolVersion,
+        s->protocol_version > tsd::wire::kProtocolVersion ? "clients" : "daemon");
+  }
   std::printf("pool      %s used of %s (%s)\n", tsd::wire::FormatBytes(s->used_bytes).c_str(),
               tsd::wire::FormatBytes(s->pool_bytes).c_str(), s->locked ? "locked" : "NOT locked");
   std::printf("jobs      %u\nsessions  %u\n", s->jobs, s->sessions);

@@ -1,7 +1,6 @@
 #include "daemon/jobs/registry.h"
 
 #include <fcntl.h>
-#include <sys/random.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -9,35 +8,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "proto/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace tsd {
 namespace {
 
 using wire::FormatBytes;
-
-Token NewToken() {
-  Token t{};
-  size_t got = 0;
-  while (got < t.size()) {
-    const ssize_t n = getrandom(t.data() + got, t.size() - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      spdlog::critical("event=getrandom_failed error=\"{}\"", std::strerror(errno));
-      std::abort();  // no safe token can be made: a broken invariant of the host
-    }
-    got += static_cast<size_t>(n);
-  }
-  return t;
-}
-
-// Compares without an early exit, so timing does not tell how much of a guess was right.
-bool TokenEquals(const Token& want, const std::string& got) {
-  if (got.size() != want.size()) return false;
-  uint8_t diff = 0;
-  for (size_t i = 0; i < want.size(); ++i) diff |= want[i] ^ static_cast<uint8_t>(got[i]);
-  return diff == 0;
-}
 
 uint64_t RoundUpToPage(uint64_t bytes) {
   return (bytes + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes;
@@ -70,97 +47,54 @@ v1::RegionInfo Registry::Describe(const Region& r) {
   return info;
 }
 
-absl::StatusOr<AttachGrant> Registry::BeginAttach(const std::string& job, uint64_t quota_bytes) {
-  if (absl::Status s = wire::ValidateName("job", job); !s.ok()) return s;
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t pending = 0;
-  for (const auto& [id, s] : sessions_) pending += s.live ? 0 : 1;
-  if (pending >= options_.max_pending) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        pending, " sessions are waiting for their side-socket hello (the limit); retry shortly"));
-  }
-  AttachGrant grant;
-  grant.session_id = next_session_id_++;
-  grant.token = NewToken();
-  const uint64_t asked = quota_bytes == 0 ? options_.max_job_quota_bytes : quota_bytes;
-  grant.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
-  if (auto it = jobs_.find(job); it != jobs_.end()) grant.quota_bytes = it->second.quota_bytes;
-  Session s;
-  s.id = grant.session_id;
-  s.job = job;
-  s.token = grant.token;
-  s.hello_deadline = absl::Now() + options_.hello_timeout;
-  s.requested_quota = grant.quota_bytes;
-  sessions_.emplace(s.id, std::move(s));
-  return grant;
-}
-
-absl::StatusOr<HelloResult> Registry::CompleteHello(uint64_t session_id, const std::string& token,
-                                                    uid_t uid, pid_t pid) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) {
+absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t quota_bytes,
+                                              uid_t uid, pid_t pid) {
+  TSD_RETURN_IF_ERROR(wire::ValidateName("job", job));
+  MutexLock lock(mu_);
+  AttachResult result;
+  result.job = job;
+  auto it = jobs_.find(job);
+  if (it != jobs_.end() && it->second.uid != uid) {
     return absl::PermissionDeniedError(
-        absl::StrCat("session ", session_id,
-                     " is not pending: it never existed, expired, or ended; call Attach again"));
+        absl::StrCat("job '", job, "' belongs to uid ", it->second.uid, "; uid ", uid,
+                     " may not attach to it (pick another job name)"));
   }
-  Session& s = it->second;
-  if (!TokenEquals(s.token, token)) {
-    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", session_id));
-  }
-  if (s.live) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("session ", session_id,
-                     " already completed its hello; a token works for one connection only"));
-  }
-  HelloResult result;
-  result.job = s.job;
-  auto job = jobs_.find(s.job);
-  if (job != jobs_.end() && job->second.uid != uid) {
-    const uid_t owner = job->second.uid;
-    sessions_.erase(it);  // the token is spent either way
-    return absl::PermissionDeniedError(absl::StrCat("job '", result.job, "' belongs to uid ", owner,
-                                                    "; uid ", uid, " may not attach to it"));
-  }
-  if (job == jobs_.end()) {
+  if (it == jobs_.end()) {
     if (jobs_.size() >= options_.max_jobs) {
-      sessions_.erase(it);
       return absl::ResourceExhaustedError(absl::StrCat(
           "the daemon holds ", jobs_.size(), " jobs, its limit; detach unused jobs first"));
     }
+    const uint64_t asked = quota_bytes == 0 ? options_.max_job_quota_bytes : quota_bytes;
     Job j;
     j.instance = next_job_instance_++;
-    j.name = s.job;
+    j.name = job;
     j.uid = uid;
-    j.quota_bytes = s.requested_quota;
-    job = jobs_.emplace(j.name, std::move(j)).first;
+    j.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
+    it = jobs_.emplace(j.name, std::move(j)).first;
     result.job_created = true;
-    spdlog::info("event=job_created job={} uid={} quota_bytes={}", result.job, uid,
-                 s.requested_quota);
+    spdlog::info("event=job_created job={} uid={} quota_bytes={}", job, uid,
+                 it->second.quota_bytes);
   }
-  s.live = true;
+  Session s;
+  s.id = next_session_id_++;
+  s.job = job;
   s.uid = uid;
   s.pid = pid;
-  job->second.sessions.insert(session_id);
-  job->second.orphaned_since.reset();
-  result.quota_bytes = job->second.quota_bytes;
-  spdlog::info("event=session_attached job={} session={} uid={} pid={}", result.job, session_id,
+  result.session_id = s.id;
+  sessions_.emplace(s.id, std::move(s));
+  it->second.sessions.insert(result.session_id);
+  it->second.orphaned_since.reset();
+  result.quota_bytes = it->second.quota_bytes;
+  spdlog::info("event=session_attached job={} session={} uid={} pid={}", job, result.session_id,
                uid, pid);
   return result;
 }
 
-absl::StatusOr<Registry::Session*> Registry::LiveSession(const v1::SessionRef& ref) {
-  auto it = sessions_.find(ref.session_id());
+absl::StatusOr<Registry::Session*> Registry::FindSession(uint64_t session_id) {
+  auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat(
-        "session ", ref.session_id(), " does not exist (ended, or never attached); attach again"));
-  }
-  if (!TokenEquals(it->second.token, ref.token())) {
-    return absl::PermissionDeniedError(absl::StrCat("wrong token for session ", ref.session_id()));
-  }
-  if (!it->second.live) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session ", ref.session_id(), " has not sent its hello on the side socket yet"));
+        "session ", session_id, " has ended (detached, or closed by tsd); attach again"));
   }
   return &it->second;
 }
@@ -181,7 +115,7 @@ std::string Registry::HoldersLocked() const {
   return absl::StrJoin(parts, ", ");
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const std::string& name,
+absl::StatusOr<v1::RegionInfo> Registry::Alloc(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
   if (name.rfind("opt/", 0) == 0) {
@@ -189,17 +123,18 @@ absl::StatusOr<v1::RegionInfo> Registry::Alloc(const v1::SessionRef& ref, const 
                                                    "': names starting with 'opt/' are "
                                                    "reserved for the optimizer engine"));
   }
-  return AllocInternal(ref, name, size_bytes);
+  return AllocInternal(session_id, name, size_bytes);
 }
 
-absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref,
-                                                       const std::string& name,
+absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, const std::string& name,
                                                        uint64_t size_bytes) {
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
+  bool lock_memory = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(ref);
+    MutexLock lock(mu_);
+    lock_memory = options_.lock_memory;
+    auto session = FindSession(session_id);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
     if (size_bytes == 0) {
@@ -243,10 +178,10 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
     job_name = job.name;
   }
 
-  auto region = Region::Create(region_id, name, bytes, options_.lock_memory);
+  auto region = Region::Create(region_id, name, bytes, lock_memory);
 
   std::shared_ptr<Region> dead;  // destroyed after the lock is dropped
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end() || job->second.instance != instance) {
     // The job was released meanwhile (its last session died); that already uncharged the pool.
@@ -268,12 +203,12 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(const v1::SessionRef& ref
   return info;
 }
 
-absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t region_id) {
+absl::StatusOr<uint64_t> Registry::Free(uint64_t session_id, uint64_t region_id) {
   std::shared_ptr<Region> dead;
   uint64_t freed = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(ref);
+    MutexLock lock(mu_);
+    auto session = FindSession(session_id);
     if (!session.ok()) return session.status();
     Job& job = jobs_.at((*session)->job);
     auto it = job.regions.find(region_id);
@@ -297,9 +232,9 @@ absl::StatusOr<uint64_t> Registry::Free(const v1::SessionRef& ref, uint64_t regi
   return freed;
 }
 
-absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::SessionRef& ref) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(ref);
+absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(uint64_t session_id) {
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   std::vector<v1::RegionInfo> out;
   for (const auto& [id, r] : jobs_.at((*session)->job).regions) out.push_back(Describe(*r));
@@ -307,12 +242,10 @@ absl::StatusOr<std::vector<v1::RegionInfo>> Registry::ListRegions(const v1::Sess
 }
 
 absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || !it->second.live) {
-    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
-  }
-  const Job& job = jobs_.at(it->second.job);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
+  if (!session.ok()) return session.status();
+  const Job& job = jobs_.at((*session)->job);
   auto region = job.regions.find(region_id);
   if (region == job.regions.end()) {
     return absl::NotFoundError(absl::StrCat("region ", region_id, " does not exist in job '",
@@ -329,7 +262,25 @@ absl::StatusOr<RegionFd> Registry::GetFd(uint64_t session_id, uint64_t region_id
   return out;
 }
 
-void Registry::ReleaseJobLocked(const std::string& name, const char* why, Released& dead) {
+const char* ReleaseReasonName(ReleaseReason reason) {
+  switch (reason) {
+    case ReleaseReason::kDetach:
+      return "detach";
+    case ReleaseReason::kDisconnected:
+      return "disconnected";
+    case ReleaseReason::kOptimizerFailed:
+      return "optimizer_failed";
+    case ReleaseReason::kOrphanGraceExpired:
+      return "orphan_grace_expired";
+    case ReleaseReason::kShutdown:
+      return "shutdown";
+    case ReleaseReason::kRegistrationRolledBack:
+      return "registration_rolled_back";
+  }
+  return "unknown";
+}
+
+void Registry::ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead) {
   auto it = jobs_.find(name);
   if (it == jobs_.end()) return;
   Job& job = it->second;
@@ -338,93 +289,92 @@ void Registry::ReleaseJobLocked(const std::string& name, const char* why, Releas
   for (auto& [id, r] : job.regions) dead.regions.push_back(std::move(r));
   used_bytes_ -= job.used_bytes;
   spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
-               job.used_bytes, job.regions.size(), why);
+               job.used_bytes, job.regions.size(), ReleaseReasonName(why));
   jobs_.erase(it);
 }
 
-void Registry::RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead) {
+void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Released& dead) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
-  const bool live = it->second.live;
   const std::string job_name = it->second.job;
   sessions_.erase(it);
-  if (!live) return;
-  spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id, why);
+  spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id,
+               ReleaseReasonName(why));
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
   job->second.sessions.erase(session_id);
   if (!job->second.sessions.empty()) return;
-  if (options_.orphan_grace <= absl::ZeroDuration() || std::string(why) == "detach") {
+  if (options_.orphan_grace <= absl::ZeroDuration() || why == ReleaseReason::kDetach) {
     ReleaseJobLocked(job_name, why, dead);
   } else {
     job->second.orphaned_since = absl::Now();
   }
 }
 
-absl::StatusOr<bool> Registry::Detach(const v1::SessionRef& ref) {
+absl::StatusOr<bool> Registry::Detach(uint64_t session_id) {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(ref);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
   if (!session.ok()) return session.status();
   const std::string job = (*session)->job;
-  RemoveSessionLocked(ref.session_id(), "detach", dead);
+  RemoveSessionLocked(session_id, ReleaseReason::kDetach, dead);
   const bool released = jobs_.count(job) == 0;
   return released;
 }
 
 void Registry::SessionDisconnected(uint64_t session_id) {
-  Released dead;  // declared first: destroyed after the lock is dropped
-  std::lock_guard<std::mutex> lock(mu_);
-  RemoveSessionLocked(session_id, "disconnected", dead);
+  EndSession(session_id, ReleaseReason::kDisconnected);
 }
 
-void Registry::Sweep(absl::Time now) {
+void Registry::EndSession(uint64_t session_id, ReleaseReason why) {
+  Released dead;  // declared first: destroyed after the lock is dropped
+  MutexLock lock(mu_);
+  RemoveSessionLocked(session_id, why, dead);
+}
+
+std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = sessions_.begin(); it != sessions_.end();) {
-    if (!it->second.live && now >= it->second.hello_deadline) {
-      spdlog::info("event=pending_session_expired session={} job={}", it->first, it->second.job);
-      it = sessions_.erase(it);
-    } else {
-      ++it;
+  MutexLock lock(mu_);
+  std::vector<ClosedSession> closed;
+  for (auto& [name, job] : jobs_) {
+    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0 &&
+        sessions_.count(job.optimizer_session) != 0) {
+      closed.push_back(
+          {job.optimizer_session, absl::StrCat("tsd closed this session: the optimizer of job '",
+                                               name, "' stopped: ", job.optimizer->failure())});
+      job.optimizer_session = 0;
     }
   }
-  std::vector<uint64_t> failed_sessions;
-  for (const auto& [name, job] : jobs_) {
-    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0) {
-      failed_sessions.push_back(job.optimizer_session);
-    }
-  }
-  for (uint64_t sid : failed_sessions) RemoveSessionLocked(sid, "optimizer_failed", dead);
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
     if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)
       orphans.push_back(name);
   }
-  for (const auto& name : orphans) ReleaseJobLocked(name, "orphan_grace_expired", dead);
+  for (const auto& name : orphans) ReleaseJobLocked(name, ReleaseReason::kOrphanGraceExpired, dead);
+  return closed;
 }
 
 void Registry::ReleaseAll() {
   Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::string> names;
   for (const auto& [name, job] : jobs_) names.push_back(name);
-  for (const auto& name : names) ReleaseJobLocked(name, "shutdown", dead);
+  for (const auto& name : names) ReleaseJobLocked(name, ReleaseReason::kShutdown, dead);
   sessions_.clear();
 }
 
 PoolSnapshot Registry::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   PoolSnapshot s;
   s.pool_bytes = options_.pool_bytes;
   s.used_bytes = used_bytes_;
   s.jobs = static_cast<uint32_t>(jobs_.size());
-  for (const auto& [id, session] : sessions_) s.sessions += session.live ? 1 : 0;
+  s.sessions = static_cast<uint32_t>(sessions_.size());
   return s;
 }
 
 std::vector<v1::JobInfo> Registry::Jobs() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<v1::JobInfo> out;
   for (const auto& [name, job] : jobs_) {
     out.push_back(DescribeJob(name, job));
@@ -436,101 +386,88 @@ std::vector<v1::JobInfo> Registry::Jobs() const {
 
 namespace tsd {
 
-absl::StatusOr<v1::RegisterOptimizerResponse> Registry::RegisterOptimizer(
-    const v1::RegisterOptimizerRequest& req) {
-  const RegistryOptions options =
-      this->options();  // a consistent copy (SIGHUP may resize the pool)
-  if (options.pool == nullptr)
-    return absl::InternalError("this daemon runs without an optimizer engine");
-  auto plan = JobOptimizer::Plan(req, options.pool_bytes);
-  if (!plan.ok()) return plan.status();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto session = LiveSession(req.session());
-    if (!session.ok()) return session.status();
-    const Job& job = jobs_.at((*session)->job);
-    if (job.optimizer) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("job '", job.name, "' already has an optimizer"));
+absl::StatusOr<JobRef> Registry::PrepareOptimizer(uint64_t session_id, uint64_t need_bytes) {
+  MutexLock lock(mu_);
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  const Job& job = jobs_.at(session->job);
+  if (job.optimizer) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
+  }
+  if (job.used_bytes + need_bytes > job.quota_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the optimizer state needs ", FormatBytes(need_bytes), " but job '", job.name, "' has ",
+        FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
+        " quota free; attach with a larger quota or use bf16 moments"));
+  }
+  return JobRef{job.name, job.instance};
+}
+
+absl::StatusOr<v1::RegionInfo> Registry::AllocOptimizerRegion(uint64_t session_id,
+                                                              const std::string& name,
+                                                              uint64_t size_bytes) {
+  if (name.rfind("opt/", 0) != 0) {
+    return absl::InternalError(absl::StrCat("optimizer region '", name, "' lacks the opt/ prefix"));
+  }
+  return AllocInternal(session_id, name, size_bytes);
+}
+
+uint64_t Registry::ReleaseRegions(const JobRef& ref, const std::vector<uint64_t>& region_ids,
+                                  ReleaseReason why) {
+  std::vector<std::shared_ptr<Region>> dead;  // destroyed after the lock is dropped
+  MutexLock lock(mu_);
+  auto it = jobs_.find(ref.name);
+  if (it == jobs_.end() || it->second.instance != ref.instance) return 0;
+  Job& job = it->second;
+  uint64_t freed = 0;
+  for (uint64_t id : region_ids) {
+    auto r = job.regions.find(id);
+    if (r == job.regions.end()) continue;
+    freed += r->second->bytes();
+    job.names.erase(r->second->name());
+    dead.push_back(std::move(r->second));
+    job.regions.erase(r);
+  }
+  job.used_bytes -= freed;
+  used_bytes_ -= freed;
+  spdlog::info("event=regions_released job={} regions={} bytes={} reason={}", ref.name, dead.size(),
+               freed, ReleaseReasonName(why));
+  return freed;
+}
+
+absl::Status Registry::InstallOptimizer(uint64_t session_id, const JobRef& ref,
+                                        const std::vector<uint64_t>& region_ids,
+                                        const OptimizerFactory& make) {
+  MutexLock lock(mu_);
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  Job& job = jobs_.at(session->job);
+  if (job.instance != ref.instance) {
+    return absl::NotFoundError(
+        absl::StrCat("job '", ref.name, "' was released while its optimizer was being set up"));
+  }
+  if (job.optimizer) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
+  }
+  std::vector<std::shared_ptr<Region>> regions;
+  for (uint64_t id : region_ids) {
+    auto it = job.regions.find(id);
+    if (it == job.regions.end()) {
+      return absl::NotFoundError(absl::StrCat("optimizer region ", id,
+                                              " vanished during registration (freed by a session "
+                                              "of job '",
+                                              job.name, "'?)"));
     }
-    const uint64_t need = plan->total_bytes();
-    if (job.used_bytes + need > job.quota_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the optimizer state needs ", FormatBytes(need), " but job '", job.name, "' has ",
-          FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
-          " quota free; attach with a larger quota or use bf16 moments"));
-    }
+    regions.push_back(it->second);
   }
-  // Allocate each region; on any failure free what was made, so nothing changes.
-  const std::pair<const char*, uint64_t> wanted[] = {
-      {"opt/control", plan->control_bytes}, {"opt/master", plan->master_bytes},
-      {"opt/exp_avg", plan->moment_bytes},  {"opt/exp_avg_sq", plan->moment_bytes},
-      {"opt/grads", plan->grad_bytes},      {"opt/params", plan->param_bytes},
-      {"opt/accum", plan->accum_bytes}};
-  std::vector<uint64_t> made;
-  auto undo = [&](absl::Status why) {
-    for (uint64_t id : made) (void)Free(req.session(), id);
-    return why;
-  };
-  for (const auto& [name, bytes] : wanted) {
-    if (bytes == 0) continue;
-    auto info = AllocInternal(req.session(), name, bytes);
-    if (!info.ok()) {
-      if (info.status().code() == absl::StatusCode::kAlreadyExists) {
-        return undo(
-            absl::AlreadyExistsError("another optimizer registration of this job is in progress"));
-      }
-      return undo(info.status());
-    }
-    made.push_back(info->region_id());
-  }
-  Released dead;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto session = LiveSession(req.session());
-  if (!session.ok()) return session.status();
-  Job& job = jobs_.at((*session)->job);
-  OptimizerRegions regions;
-  std::shared_ptr<Region>* slots[] = {&regions.control,    &regions.master, &regions.exp_avg,
-                                      &regions.exp_avg_sq, &regions.grads,  &regions.params,
-                                      &regions.accum};
-  for (size_t i = 0, m = 0; i < std::size(wanted); ++i) {
-    if (wanted[i].second == 0) continue;
-    auto it = job.regions.find(made[m++]);
-    if (it == job.regions.end())
-      return absl::NotFoundError("an optimizer region vanished during registration");
-    *slots[i] = it->second;
-  }
-  auto optimizer = std::make_shared<JobOptimizer>(
-      job.name, *plan, regions, *options_.pool, options_.isa,
-      options_.metrics ? options_.metrics->ObserverFor(job.name) : nullptr);
-  optimizer->Start();
-  job.optimizer = optimizer;
-  job.optimizer_session = req.session().session_id();
-  v1::RegisterOptimizerResponse resp;
-  for (const auto& b : plan->buckets) {
-    auto* l = resp.add_buckets();
-    l->set_master_offset(b.master_offset);
-    l->set_grad_offset(b.grad_offset);
-    l->set_param_offset(b.param_offset);
-  }
-  resp.set_state_bytes(plan->total_bytes());
-  resp.set_isa(kernels::IsaName(options_.isa));
-  resp.set_threads(static_cast<uint32_t>(options_.pool->threads()));
-  spdlog::info(
-      "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
-      "accumulate={}",
-      job.name, plan->buckets.size(), plan->groups.size(), plan->total_bytes(),
-      kernels::IsaName(options_.isa), plan->max_grad_norm, plan->accumulate);
-  return resp;
+  TSD_ASSIGN_OR_RETURN(job.optimizer, make(job.name, regions));
+  job.optimizer_session = session_id;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end() || !it->second.live) {
-    return absl::NotFoundError(absl::StrCat("session ", session_id, " is not live"));
-  }
-  const Job& job = jobs_.at(it->second.job);
+  MutexLock lock(mu_);
+  auto session = FindSession(session_id);
+  if (!session.ok()) return session.status();
+  const Job& job = jobs_.at((*session)->job);
   if (!job.optimizer)
     return absl::NotFoundError(
         absl::StrCat("job '", job.name, "' has no optimizer; register one first"));
@@ -539,17 +476,18 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t ses
 
 }  // namespace tsd
 
-// --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) -----------------------------
+// --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc)
+// -----------------------------
 namespace tsd {
 
 RegistryOptions Registry::options() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return options_;
 }
 
 absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
                                    absl::Duration orphan_grace) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (pool_bytes < used_bytes_) {
     return absl::FailedPreconditionError(
         absl::StrCat("the new pool of ", FormatBytes(pool_bytes), " is smaller than the ",
@@ -563,12 +501,12 @@ absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_b
 }
 
 Registry::MetricsView Registry::View() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   MetricsView v;
   v.pool.pool_bytes = options_.pool_bytes;
   v.pool.used_bytes = used_bytes_;
   v.pool.jobs = static_cast<uint32_t>(jobs_.size());
-  for (const auto& [id, session] : sessions_) v.pool.sessions += session.live ? 1 : 0;
+  v.pool.sessions = static_cast<uint32_t>(sessions_.size());
   v.max_job_quota_bytes = options_.max_job_quota_bytes;
   for (const auto& [name, job] : jobs_) {
     for (const auto& [id, region] : job.regions)

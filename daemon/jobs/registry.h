@@ -2,9 +2,12 @@
 // memory to the pool and to job quotas. Every request from a client ends up here, already parsed
 // but not trusted: each id, name and size is checked, and a request that fails changes nothing.
 //
-// A session is born pending (`BeginAttach`, from gRPC) and becomes live when its side-socket hello
-// proves the token and names the caller's uid (`CompleteHello`). A job lives while it has live
-// sessions; when the last one dies its memory is released after the orphan grace period.
+// A session is one side-socket connection (daemon/rpc/side_server.h): `Attach` is called with the
+// uid and pid the kernel reported for that connection and returns the session's id, which only
+// the side server knows and passes back with each later request of that connection. There is no
+// token to steal: a session's calls can only come from its own connection. Only the uid that
+// created a job may attach to it. A job lives while it has sessions; when the last one ends its
+// memory is released after the orphan grace period.
 //
 // Locking: one mutex guards all state. Creating a region's memory (slow: pages are allocated and
 // locked) happens outside it, between a charge and a commit, so other clients are never stalled
@@ -13,11 +16,10 @@
 
 #include <sys/types.h>
 
-#include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -26,40 +28,55 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/memory/region.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
-#include "daemon/memory/region.h"
+#include "proto/mutex.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
 
 namespace tsd {
-
-using Token = std::array<uint8_t, wire::kTokenBytes>;
 
 struct RegistryOptions {
   uint64_t pool_bytes = 0;
   uint64_t max_job_quota_bytes = 0;
   bool lock_memory = false;
   absl::Duration orphan_grace = absl::ZeroDuration();
-  absl::Duration hello_timeout = absl::Seconds(10);
   size_t max_regions_per_job = 65536;
-  size_t max_pending = 4096;
   size_t max_jobs = 4096;
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
 };
 
-struct AttachGrant {
-  uint64_t session_id = 0;
-  Token token{};
-  uint64_t quota_bytes = 0;
+// Why a session ended or a job (or some of its regions) was released: logged as `reason=`.
+enum class ReleaseReason {
+  kDetach,                  // the session asked (a job goes at once, whatever orphan_grace says)
+  kDisconnected,            // the session's connection closed
+  kOptimizerFailed,         // the job's optimizer found a protocol violation on its page
+  kOrphanGraceExpired,      // the job had no session for orphan_grace
+  kShutdown,                // the daemon is stopping
+  kRegistrationRolledBack,  // an optimizer registration failed half-way (its regions only)
+};
+const char* ReleaseReasonName(ReleaseReason reason);
+
+// A job as a multi-step operation sees it: a job re-created under the same name is another one.
+struct JobRef {
+  std::string name;
+  uint64_t instance = 0;
 };
 
-struct HelloResult {
+struct AttachResult {
+  uint64_t session_id = 0;
   std::string job;
   uint64_t quota_bytes = 0;
   bool job_created = false;
+};
+
+// A session the registry ended on its own (Sweep), and why, so its connection can be told.
+struct ClosedSession {
+  uint64_t session_id = 0;
+  std::string reason;
 };
 
 // A descriptor handed out for a region: the caller owns `fd` (a dup of the region's memfd).
@@ -80,35 +97,58 @@ class Registry final {
   explicit Registry(RegistryOptions options);
   ~Registry();
 
-  absl::StatusOr<AttachGrant> BeginAttach(const std::string& job, uint64_t quota_bytes);
-  absl::StatusOr<HelloResult> CompleteHello(uint64_t session_id, const std::string& token,
-                                            uid_t uid, pid_t pid);
-  absl::StatusOr<v1::RegionInfo> Alloc(const v1::SessionRef& ref, const std::string& name,
+  // Starts a session of `job` for the caller `uid`/`pid` (from SO_PEERCRED), creating the job on
+  // first attach. Another uid's job is refused with PERMISSION_DENIED and changes nothing.
+  absl::StatusOr<AttachResult> Attach(const std::string& job, uint64_t quota_bytes, uid_t uid,
+                                      pid_t pid);
+  absl::StatusOr<v1::RegionInfo> Alloc(uint64_t session_id, const std::string& name,
                                        uint64_t size_bytes);
-  absl::StatusOr<uint64_t> Free(const v1::SessionRef& ref, uint64_t region_id);
-  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(const v1::SessionRef& ref);
+  absl::StatusOr<uint64_t> Free(uint64_t session_id, uint64_t region_id);
+  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions(uint64_t session_id);
   // Ends a session on request; true when its job was released with it.
-  absl::StatusOr<bool> Detach(const v1::SessionRef& ref);
-  // Sets up the job's optimizer (see JobOptimizer): allocates its regions (charged to the job's
-  // quota), starts it, and returns the layout. All or nothing.
-  absl::StatusOr<v1::RegisterOptimizerResponse> RegisterOptimizer(
-      const v1::RegisterOptimizerRequest& request);
-  // The optimizer of a live session's job (NOT_FOUND when there is none).
+  absl::StatusOr<bool> Detach(uint64_t session_id);
+  // --- Optimizer registration (driven by daemon/optimizer/registrar.h) ------------------------
+  // The session's job, when it has no optimizer yet and `need_bytes` fit in its quota.
+  absl::StatusOr<JobRef> PrepareOptimizer(uint64_t session_id, uint64_t need_bytes);
+  // Allocates one of the optimizer's own regions ("opt/" names, which clients may not use) in the
+  // session's job.
+  absl::StatusOr<v1::RegionInfo> AllocOptimizerRegion(uint64_t session_id, const std::string& name,
+                                                      uint64_t size_bytes);
+  // Frees `region_ids` of `job`, whether or not a session of it is still alive (the rollback of a
+  // registration whose session died half-way). Ids not in the job, or a job that is gone (and
+  // took its regions with it), are skipped. Returns the bytes released.
+  uint64_t ReleaseRegions(const JobRef& job, const std::vector<uint64_t>& region_ids,
+                          ReleaseReason why);
+  // Builds the job's optimizer with `make`, from the regions `region_ids` (in that order), and
+  // installs it; the session that registered it is closed if it fails. Called under the lock, so
+  // no other session sees the job half set up.
+  using OptimizerFactory = std::function<absl::StatusOr<std::shared_ptr<JobOptimizer>>(
+      const std::string& job, const std::vector<std::shared_ptr<Region>>& regions)>;
+  absl::Status InstallOptimizer(uint64_t session_id, const JobRef& job,
+                                const std::vector<uint64_t>& region_ids,
+                                const OptimizerFactory& make);
+  // --- end of optimizer registration -----------------------------------------------------------
+  // The optimizer of a session's job (NOT_FOUND when there is none).
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerOf(uint64_t session_id);
-  // For a live session (already bound to its side connection): a dup of a region's memfd.
+  // A dup of a region's memfd, for a session of the region's job.
   absl::StatusOr<RegionFd> GetFd(uint64_t session_id, uint64_t region_id);
-  // The session's side connection closed (the process exited or was killed).
+  // The session's side connection closed (the process exited or was killed). Idempotent.
   void SessionDisconnected(uint64_t session_id);
-  // Drops expired pending sessions and releases jobs orphaned for longer than the grace period.
-  void Sweep(absl::Time now);
+  // Ends a session for `why` (logged); its job is released with its last session. Idempotent.
+  void EndSession(uint64_t session_id, ReleaseReason why);
+  // Releases jobs orphaned for longer than the grace period, and returns the sessions whose
+  // optimizer failed, with the failure, each once: the caller tells each connection why, then
+  // ends the session (EndSession), so the client reads the reason before anything else fails.
+  std::vector<ClosedSession> Sweep(absl::Time now);
   // Releases every job (shutdown).
   void ReleaseAll();
 
   PoolSnapshot Snapshot() const;
   std::vector<v1::JobInfo> Jobs() const;
 
-  // --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc) ---------------------------
-  // A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change (Reconfigure).
+  // --- Live reload and metrics (daemon/ops/reload.cc, daemon/ops/metrics.cc)
+  // --------------------------- A copy: pool_bytes, max_job_quota_bytes and orphan_grace may change
+  // (Reconfigure).
   RegistryOptions options() const;
   // Applies a reloaded configuration, all or nothing. A pool smaller than what jobs hold now is
   // refused (the message says how much is held, and by whom) and nothing changes. Jobs keep the
@@ -129,12 +169,8 @@ class Registry final {
   struct Session {
     uint64_t id = 0;
     std::string job;
-    Token token{};
-    bool live = false;  // hello completed
     uid_t uid = 0;
     pid_t pid = 0;
-    absl::Time hello_deadline;
-    uint64_t requested_quota = 0;
   };
   struct Job {
     uint64_t instance = 0;  // distinguishes a re-created job of the same name
@@ -157,18 +193,17 @@ class Registry final {
     ~Released() { optimizers.clear(); }
   };
 
-  // Finds the live session `ref` names, checking its token. Needs mu_.
-  absl::StatusOr<Session*> LiveSession(const v1::SessionRef& ref)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finds a session (NOT_FOUND, saying so, when it ended). Needs mu_.
+  absl::StatusOr<Session*> FindSession(uint64_t session_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
   // the lock is dropped.
-  void ReleaseJobLocked(const std::string& name, const char* why, Released& dead)
+  void ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; releases its job when it was the last and the grace period is zero.
-  void RemoveSessionLocked(uint64_t session_id, const char* why, Released& dead)
+  void RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Released& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
-  absl::StatusOr<v1::RegionInfo> AllocInternal(const v1::SessionRef& ref, const std::string& name,
+  absl::StatusOr<v1::RegionInfo> AllocInternal(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes);
   std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
@@ -176,8 +211,8 @@ class Registry final {
 
   // Fixed at construction, except pool_bytes, max_job_quota_bytes and orphan_grace, which
   // Reconfigure changes under mu_ (read them under mu_ too).
-  RegistryOptions options_;
-  mutable std::mutex mu_;
+  RegistryOptions options_ ABSL_GUARDED_BY(mu_);
+  mutable Mutex mu_;
   uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_region_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -2,58 +2,13 @@
 
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
 #include "daemon/ops/version.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "proto/status_convert.h"
+#include "proto/wire.h"
 
 namespace tsd {
-
-using wire::ToGrpc;
-
-grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::AttachRequest* req,
-                                v1::AttachResponse* resp) {
-  auto grant = registry_.BeginAttach(req->job(), req->quota_bytes());
-  if (!grant.ok()) return ToGrpc(grant.status());
-  resp->mutable_session()->set_session_id(grant->session_id);
-  resp->mutable_session()->set_token(std::string(grant->token.begin(), grant->token.end()));
-  resp->set_side_socket(side_socket_);
-  resp->set_quota_bytes(grant->quota_bytes);
-  resp->set_hello_timeout_ms(
-      static_cast<uint32_t>(absl::ToInt64Milliseconds(registry_.options().hello_timeout)));
-  return grpc::Status::OK;
-}
-
-grpc::Status TsdService::Detach(grpc::ServerContext*, const v1::DetachRequest* req,
-                                v1::DetachResponse* resp) {
-  auto released = registry_.Detach(req->session());
-  if (!released.ok()) return ToGrpc(released.status());
-  resp->set_job_released(*released);
-  return grpc::Status::OK;
-}
-
-grpc::Status TsdService::Alloc(grpc::ServerContext*, const v1::AllocRequest* req,
-                               v1::AllocResponse* resp) {
-  auto info = registry_.Alloc(req->session(), req->name(), req->size_bytes());
-  if (!info.ok()) return ToGrpc(info.status());
-  *resp->mutable_region() = *info;
-  return grpc::Status::OK;
-}
-
-grpc::Status TsdService::Free(grpc::ServerContext*, const v1::FreeRequest* req,
-                              v1::FreeResponse* resp) {
-  auto freed = registry_.Free(req->session(), req->region_id());
-  if (!freed.ok()) return ToGrpc(freed.status());
-  resp->set_freed_bytes(*freed);
-  return grpc::Status::OK;
-}
-
-grpc::Status TsdService::ListRegions(grpc::ServerContext*, const v1::ListRegionsRequest* req,
-                                     v1::ListRegionsResponse* resp) {
-  auto regions = registry_.ListRegions(req->session());
-  if (!regions.ok()) return ToGrpc(regions.status());
-  for (auto& r : *regions) *resp->add_regions() = std::move(r);
-  return grpc::Status::OK;
-}
 
 grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                 v1::StatusResponse* resp) {
@@ -67,6 +22,7 @@ grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
   resp->set_sessions(s.sessions);
   resp->set_max_job_quota_bytes(registry_.options().max_job_quota_bytes);
   resp->set_pid(static_cast<uint32_t>(getpid()));
+  resp->set_protocol_version(wire::kProtocolVersion);
   return grpc::Status::OK;
 }
 
@@ -76,13 +32,15 @@ grpc::Status TsdService::ListJobs(grpc::ServerContext*, const v1::ListJobsReques
   return grpc::Status::OK;
 }
 
-grpc::Status TsdService::RegisterOptimizer(grpc::ServerContext*,
-                                           const v1::RegisterOptimizerRequest* req,
-                                           v1::RegisterOptimizerResponse* resp) {
-  auto r = registry_.RegisterOptimizer(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+grpc::Status TsdService::Attach(grpc::ServerContext*, const v1::RetiredRequest*,
+                                v1::RetiredResponse*) {
+  return grpc::Status(
+      grpc::StatusCode::FAILED_PRECONDITION,
+      absl::StrCat("client speaks protocol 1 (it attaches over gRPC), tsd ", kVersion,
+                   " speaks protocol ", wire::kProtocolVersion,
+                   " (sessions start on the side socket): upgrade the client (libtsclient / the "
+                   "trainstream package) to tsd ",
+                   kVersion, "'s"));
 }
 
 // A dry run of registration: the same checks (JobOptimizer::Plan, against the same pool), nothing
@@ -92,10 +50,10 @@ grpc::Status TsdService::PlanOptimizer(grpc::ServerContext*,
                                        v1::PlanOptimizerResponse* resp) {
   const RegistryOptions options = registry_.options();
   if (options.pool == nullptr) {
-    return ToGrpc(absl::InternalError("this daemon runs without an optimizer engine"));
+    return wire::ToGrpc(absl::InternalError("this daemon runs without an optimizer engine"));
   }
   auto plan = JobOptimizer::Plan(*req, options.pool_bytes);
-  if (!plan.ok()) return ToGrpc(plan.status());
+  if (!plan.ok()) return wire::ToGrpc(plan.status());
   for (const auto& b : plan->buckets) {
     auto* l = resp->add_buckets();
     l->set_master_offset(b.master_offset);

@@ -1,5 +1,7 @@
-// TsdService implements the gRPC control plane (tsd.v1.Tsd). It is glue only: it unpacks
-// requests, calls the Registry and maps absl::Status to gRPC status codes.
+// TsdService implements the gRPC control plane (tsd.v1.Tsd): the calls that need no session (the
+// pool's status, the list of jobs). gRPC over a Unix socket cannot tell who calls, so every call
+// of a session travels on the side socket instead (daemon/rpc/side_server.h). It is glue only:
+// it calls the Registry and maps absl::Status to gRPC status codes.
 #pragma once
 
 #include <string>
@@ -12,26 +14,19 @@ namespace tsd {
 
 class TsdService final : public v1::Tsd::Service {
  public:
-  TsdService(Registry& registry, std::string side_socket, bool locked)
-      : registry_(registry), side_socket_(std::move(side_socket)), locked_(locked) {}
+  TsdService(Registry& registry, bool locked) : registry_(registry), locked_(locked) {}
 
-  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest*, v1::AttachResponse*) override;
-  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest*, v1::DetachResponse*) override;
-  grpc::Status Alloc(grpc::ServerContext*, const v1::AllocRequest*, v1::AllocResponse*) override;
-  grpc::Status Free(grpc::ServerContext*, const v1::FreeRequest*, v1::FreeResponse*) override;
-  grpc::Status ListRegions(grpc::ServerContext*, const v1::ListRegionsRequest*,
-                           v1::ListRegionsResponse*) override;
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
                         v1::ListJobsResponse*) override;
-  grpc::Status RegisterOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest*,
-                                 v1::RegisterOptimizerResponse*) override;
   grpc::Status PlanOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest*,
                              v1::PlanOptimizerResponse*) override;
+  // Retired with protocol 1: tells such a client to upgrade.
+  grpc::Status Attach(grpc::ServerContext*, const v1::RetiredRequest*,
+                      v1::RetiredResponse*) override;
 
  private:
   Registry& registry_;
-  const std::string side_socket_;
   const bool locked_;
   const absl::Time started_ = absl::Now();
 };

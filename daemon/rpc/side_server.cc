@@ -17,11 +17,24 @@
 namespace tsd {
 namespace {
 constexpr size_t kMaxConnections = 8192;
+// One uid may hold this many connections, so no uid can take every slot from the others.
+constexpr size_t kMaxConnectionsPerUid = 1024;
 constexpr int kSweepIntervalMs = 100;
+// Half-assembled requests of all connections together may hold at most this much.
+constexpr size_t kMaxPendingBytes = 64ull << 20;
+// How long a reply waits for a client that does not read before the connection is given up.
+constexpr int kSendTimeoutMs = 5000;
+constexpr uint64_t kListenKey = 0;
+constexpr uint64_t kWakeKey = 1;
+constexpr uint32_t kConnEvents = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
 }  // namespace
+
+SideServer::SideServer(Registry& registry, int workers)
+    : registry_(registry), handler_(registry), workers_(workers) {}
 
 SideServer::~SideServer() {
   Shutdown("tsd is shutting down");
+  workers_.Stop();
   if (listen_fd_ >= 0) close(listen_fd_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
@@ -57,9 +70,9 @@ absl::Status SideServer::Listen(const std::string& path, gid_t gid) {
     return absl::InternalError(absl::StrCat("epoll/eventfd: ", std::strerror(errno)));
   epoll_event ev{};
   ev.events = EPOLLIN;
-  ev.data.fd = listen_fd_;
+  ev.data.u64 = kListenKey;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, listen_fd_, &ev);
-  ev.data.fd = wake_fd_;
+  ev.data.u64 = kWakeKey;
   epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
   return absl::OkStatus();
 }
@@ -89,46 +102,50 @@ void SideServer::Loop() {
       break;
     }
     for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
-      if (fd == listen_fd_) {
+      const uint64_t key = events[i].data.u64;
+      if (key == kListenKey) {
         AcceptAll();
         continue;
       }
-      if (fd == wake_fd_) continue;
-      auto it = conns_.find(fd);
-      if (it == conns_.end()) continue;
-      if (events[i].events & EPOLLIN) HandleReadable(it->second);
-      // A connection may have been closed while reading; look it up again.
-      it = conns_.find(fd);
-      if (it != conns_.end() && (events[i].events & (EPOLLHUP | EPOLLERR)) &&
-          !(events[i].events & EPOLLIN)) {
-        CloseConn(fd, "hangup");
+      if (key == kWakeKey) continue;
+      ConnPtr c;
+      {
+        MutexLock lock(mu_);
+        auto it = conns_.find(key);
+        if (it == conns_.end()) continue;
+        c = it->second;
+      }
+      if (events[i].events & EPOLLIN) {
+        HandleReadable(c);
+      } else if (events[i].events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+        FinishClose(c, "hangup");
+      } else {
+        MutexLock lock(c->mu);
+        Rearm(*c);
       }
     }
     const absl::Time now = absl::Now();
     if (now - last_sweep >= absl::Milliseconds(kSweepIntervalMs)) {
       last_sweep = now;
-      registry_.Sweep(now);
-      std::vector<int> stale;
-      for (const auto& [fd, c] : conns_) {
-        if (c.session_id == 0 && now - c.accepted > registry_.options().hello_timeout)
-          stale.push_back(fd);
-      }
-      for (int fd : stale) CloseConn(fd, "no_hello_in_time");
+      NotifyClosed(registry_.Sweep(now));
     }
   }
-  // Shutting down: tell every connection why, then close it.
+  // Shutting down: tell every connection why, let requests in flight finish, close everything.
   v1::SideReply notice;
   notice.set_code(static_cast<int>(absl::StatusCode::kUnavailable));
   notice.set_message(shutdown_notice_);
   notice.mutable_notice()->set_kind(v1::SideNotice::SHUTDOWN);
   notice.mutable_notice()->set_message(shutdown_notice_);
-  std::vector<int> fds;
-  for (auto& [fd, c] : conns_) {
-    Reply(c, notice);
-    fds.push_back(fd);
+  std::vector<ConnPtr> all;
+  {
+    MutexLock lock(mu_);
+    for (auto& [key, c] : conns_) all.push_back(c);
   }
-  for (int fd : fds) CloseConn(fd, "shutdown");
+  for (const ConnPtr& c : all) {
+    Send(*c, notice);
+    RequestClose(c, "shutdown");
+  }
+  workers_.Stop();  // a busy connection is closed by its worker when its request is done
 }
 
 void SideServer::AcceptAll() {
@@ -148,168 +165,236 @@ void SideServer::AcceptAll() {
       close(fd);
       continue;
     }
-    if (conns_.size() >= kMaxConnections) {
-      spdlog::warn("event=connection_refused reason=too_many_connections uid={} pid={}", cred.uid,
-                   cred.pid);
+    auto c = std::make_shared<Conn>();
+    c->fd = fd;
+    c->uid = cred.uid;
+    c->pid = cred.pid;
+    MutexLock lock(mu_);
+    size_t& mine = per_uid_[cred.uid];
+    if (conns_.size() >= kMaxConnections || mine >= kMaxConnectionsPerUid) {
+      spdlog::warn(
+          "event=connection_refused reason={} uid={} pid={}",
+          conns_.size() >= kMaxConnections ? "too_many_connections" : "too_many_connections_of_uid",
+          cred.uid, cred.pid);
+      if (mine == 0) per_uid_.erase(cred.uid);
       close(fd);
       continue;
     }
-    Conn c;
-    c.fd = fd;
-    c.uid = cred.uid;
-    c.pid = cred.pid;
-    c.accepted = absl::Now();
+    c->serial = next_serial_++;
     epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.fd = fd;
+    ev.events = kConnEvents;
+    ev.data.u64 = c->serial;
     if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      if (mine == 0) per_uid_.erase(cred.uid);
       close(fd);
       continue;
     }
-    conns_.emplace(fd, c);
+    ++mine;
+    conns_.emplace(c->serial, c);
     open_connections_.store(conns_.size());
   }
 }
 
-void SideServer::HandleReadable(Conn& conn) {
-  const int fd = conn.fd;
-  // Drain what is queued; each datagram is one request.
+void SideServer::HandleReadable(const ConnPtr& c) {
   for (int budget = 64; budget > 0; --budget) {
     bool would_block = false;
-    auto dgram = wire::ReceiveDatagram(fd, /*nonblocking=*/true, &would_block);
+    auto dgram = wire::ReceiveDatagram(c->fd, /*nonblocking=*/true, &would_block);
     if (!dgram.ok()) {
-      CloseConn(fd, "closed_by_peer");
+      FinishClose(c, "closed_by_peer");
       return;
     }
-    if (would_block) return;
-    if (dgram->truncated) {
-      if (dgram->fd >= 0) close(dgram->fd);
-      ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
-                           "side message larger than ", wire::kMaxSideMessageBytes, " bytes")));
-      if (conn.session_id == 0) {
-        CloseConn(fd, "oversized_message_before_hello");
+    if (would_block) break;
+    uint64_t request_id = 0;
+    const size_t pending_before = c->assembler.pending_bytes();
+    auto whole = c->assembler.Feed(std::move(*dgram), &request_id);
+    const size_t pending_after = c->assembler.pending_bytes();
+    pending_bytes_ += pending_after;
+    pending_bytes_ -= pending_before;
+    if (whole.ok() && !*whole) {
+      bool attached;
+      {
+        MutexLock lock(c->mu);
+        attached = c->session_id != 0;
+      }
+      absl::Status refused;
+      if (!attached) {
+        refused = absl::FailedPreconditionError(
+            "a fragmented request before SideAttach; the attach fits one datagram, and only "
+            "requests of a session may travel in fragments");
+      } else if (pending_bytes_.load() > kMaxPendingBytes) {
+        refused = absl::ResourceExhaustedError(absl::StrCat(
+            "tsd holds ", wire::FormatBytes(kMaxPendingBytes),
+            " of half-sent requests from all clients, its limit; send the request again shortly"));
+      }
+      if (!refused.ok()) {
+        pending_bytes_ -= pending_after;
+        c->assembler.Reset();
+        whole = refused;
+      }
+    }
+    if (!whole.ok()) {
+      uint64_t session_id;
+      {
+        MutexLock lock(c->mu);
+        session_id = c->session_id;
+      }
+      spdlog::warn("event=bad_side_message uid={} pid={} session={} error=\"{}\"", c->uid, c->pid,
+                   session_id, std::string(whole.status().message()));
+      SendError(*c, request_id, whole.status());
+      if (session_id == 0) {  // before an attach, one bad message closes the connection
+        FinishClose(c, "bad_message_before_attach");
         return;
       }
       continue;
     }
-    if (!HandleMessage(conn, dgram->bytes, dgram->fd)) {
-      CloseConn(fd, "protocol_error");
+    if (!*whole) continue;  // more fragments to come
+    const int fd = c->assembler.TakeFd();
+    {
+      MutexLock lock(c->mu);
+      c->busy = true;
+    }
+    ConnPtr keep = c;
+    v1::SideRequest request = std::move(c->assembler.message());
+    if (!workers_.Submit([this, keep, request = std::move(request), fd]() mutable {
+          Serve(keep, std::move(request), fd);
+        })) {
+      if (fd >= 0) close(fd);
+      {
+        MutexLock lock(c->mu);
+        c->busy = false;
+      }
+      FinishClose(c, "stopping");
+    }
+    return;  // the worker polls this connection again when the request is done
+  }
+  MutexLock lock(c->mu);
+  Rearm(*c);
+}
+
+void SideServer::Serve(const ConnPtr& c, v1::SideRequest request, int fd) {
+  SideCaller caller;
+  caller.uid = c->uid;
+  caller.pid = c->pid;
+  {
+    MutexLock lock(c->mu);
+    caller.session_id = c->session_id;
+  }
+  SideOutcome out = handler_.Handle(caller, request, fd);
+  if (out.bound_session != 0) {
+    {
+      MutexLock lock(c->mu);
+      c->session_id = out.bound_session;
+    }
+    MutexLock lock(mu_);
+    by_session_[out.bound_session] = c;
+  }
+  Send(*c, out.reply, out.fd);
+  if (out.fd >= 0) close(out.fd);
+  std::string close_why;
+  {
+    MutexLock lock(c->mu);
+    c->busy = false;
+    if (c->closing) {
+      close_why = c->close_reason;
+    } else if (out.close) {
+      close_why = out.close_reason;
+    } else {
+      Rearm(*c);
+    }
+  }
+  if (!close_why.empty()) FinishClose(c, close_why);
+}
+
+void SideServer::Send(Conn& c, const v1::SideReply& reply, int fd) {
+  MutexLock send(c.send_mu);
+  {
+    MutexLock lock(c.mu);
+    if (c.closed) return;
+  }
+  if (absl::Status s = wire::SendSideMessage(c.fd, reply, fd, kSendTimeoutMs); !s.ok()) {
+    spdlog::warn("event=side_reply_failed uid={} pid={} error=\"{}\"", c.uid, c.pid,
+                 std::string(s.message()));
+  }
+}
+
+void SideServer::SendError(Conn& c, uint64_t request_id, const absl::Status& status) {
+  v1::SideReply reply;
+  reply.set_request_id(request_id);
+  reply.set_code(static_cast<int>(status.code()));
+  reply.set_message(std::string(status.message()));
+  Send(c, reply);
+}
+
+void SideServer::Rearm(Conn& c) {
+  if (c.closed) return;
+  epoll_event ev{};
+  ev.events = kConnEvents;
+  ev.data.u64 = c.serial;
+  epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, c.fd, &ev);
+}
+
+void SideServer::RequestClose(const ConnPtr& c, const std::string& why) {
+  {
+    MutexLock lock(c->mu);
+    if (c->busy) {
+      c->closing = true;
+      c->close_reason = why;
       return;
     }
   }
+  FinishClose(c, why);
 }
 
-bool SideServer::HandleMessage(Conn& conn, const std::string& bytes, int fd) {
-  v1::SideRequest req;
-  const bool parsed = !bytes.empty() && req.ParseFromString(bytes);
-  // Only state requests carry a descriptor; any other is closed unread, so no client can make the
-  // daemon hold descriptors.
-  const bool wants_fd = parsed && (req.has_save_state() || req.has_load_state());
-  if (fd >= 0 && !wants_fd) {
-    close(fd);
-    fd = -1;
-    spdlog::warn("event=unexpected_fd uid={} pid={} session={}", conn.uid, conn.pid,
-                 conn.session_id);
+void SideServer::FinishClose(const ConnPtr& c, const std::string& why) {
+  uint64_t session_id = 0;
+  {
+    MutexLock send(c->send_mu);  // no send is under way on this descriptor
+    MutexLock lock(c->mu);
+    if (c->closed) return;
+    c->closed = true;
+    session_id = c->session_id;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->fd, nullptr);
+    close(c->fd);
   }
-  struct FdCloser {
-    int fd;
-    ~FdCloser() {
-      if (fd >= 0) close(fd);
-    }
-  } closer{fd};
-  if (!parsed || req.kind_case() == v1::SideRequest::KIND_NOT_SET) {
-    ReplyError(conn, absl::InvalidArgumentError(absl::StrCat(
-                         "side message of ", bytes.size(),
-                         " bytes is not a valid tsd.v1.SideRequest (expected hello or get_fd)")));
-    spdlog::warn("event=bad_side_message uid={} pid={} session={} bytes={}", conn.uid, conn.pid,
-                 conn.session_id, bytes.size());
-    return conn.session_id != 0;  // before a hello, one bad message closes the connection
+  pending_bytes_ -= c->assembler.pending_bytes();
+  c->assembler.Reset();
+  {
+    MutexLock lock(mu_);
+    conns_.erase(c->serial);
+    if (session_id != 0) by_session_.erase(session_id);
+    auto it = per_uid_.find(c->uid);
+    if (it != per_uid_.end() && --it->second == 0) per_uid_.erase(it);
+    open_connections_.store(conns_.size());
   }
-  if (req.has_hello()) {
-    if (conn.session_id != 0) {
-      ReplyError(conn, absl::FailedPreconditionError(absl::StrCat(
-                           "this connection already belongs to session ", conn.session_id)));
-      return true;
-    }
-    const v1::SessionRef& ref = req.hello().session();
-    auto result = registry_.CompleteHello(ref.session_id(), ref.token(), conn.uid, conn.pid);
-    if (!result.ok()) {
-      spdlog::warn("event=hello_refused uid={} pid={} session={} error=\"{}\"", conn.uid, conn.pid,
-                   ref.session_id(), std::string(result.status().message()));
-      ReplyError(conn, result.status());
-      return false;
-    }
-    conn.session_id = ref.session_id();
-    v1::SideReply reply;
-    auto* hello = reply.mutable_hello();
-    hello->set_job(result->job);
-    hello->set_uid(conn.uid);
-    hello->set_quota_bytes(result->quota_bytes);
-    hello->set_job_created(result->job_created);
-    Reply(conn, reply);
-    return true;
-  }
-  if (conn.session_id == 0) {
-    ReplyError(conn, absl::FailedPreconditionError("send a hello with your session first"));
-    return false;
-  }
-  if (req.has_save_state() || req.has_load_state()) {
-    auto optimizer = registry_.OptimizerOf(conn.session_id);
-    if (!optimizer.ok()) {
-      ReplyError(conn, optimizer.status());
-      return true;
-    }
-    auto bytes_moved =
-        req.has_save_state() ? (*optimizer)->SaveState(fd) : (*optimizer)->LoadState(fd);
-    if (!bytes_moved.ok()) {
-      ReplyError(conn, bytes_moved.status());
-      return true;
-    }
-    v1::SideReply reply;
-    reply.mutable_state()->set_bytes(*bytes_moved);
-    Reply(conn, reply);
-    return true;
-  }
-  auto region = registry_.GetFd(conn.session_id, req.get_fd().region_id());
-  if (!region.ok()) {
-    ReplyError(conn, region.status());
-    return true;
-  }
-  v1::SideReply reply;
-  *reply.mutable_fd()->mutable_region() = region->info;
-  Reply(conn, reply, region->fd);
-  close(region->fd);
-  return true;
-}
-
-void SideServer::Reply(Conn& conn, const v1::SideReply& reply, int fd) {
-  std::string bytes;
-  reply.SerializeToString(&bytes);
-  if (absl::Status s = wire::SendDatagram(conn.fd, bytes, fd); !s.ok()) {
-    spdlog::warn("event=side_reply_failed uid={} pid={} session={} error=\"{}\"", conn.uid,
-                 conn.pid, conn.session_id, std::string(s.message()));
+  if (session_id != 0) {
+    spdlog::debug("event=side_closed session={} uid={} pid={} reason={}", session_id, c->uid,
+                  c->pid, why);
+    registry_.SessionDisconnected(session_id);
   }
 }
 
-void SideServer::ReplyError(Conn& conn, const absl::Status& status) {
-  v1::SideReply reply;
-  reply.set_code(static_cast<int>(status.code()));
-  reply.set_message(std::string(status.message()));
-  Reply(conn, reply);
-}
-
-void SideServer::CloseConn(int fd, const char* why) {
-  auto it = conns_.find(fd);
-  if (it == conns_.end()) return;
-  const Conn c = it->second;
-  conns_.erase(it);
-  open_connections_.store(conns_.size());
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, fd, nullptr);
-  close(fd);
-  if (c.session_id != 0) {
-    spdlog::debug("event=side_closed session={} uid={} pid={} reason={}", c.session_id, c.uid,
-                  c.pid, why);
-    registry_.SessionDisconnected(c.session_id);
+void SideServer::NotifyClosed(const std::vector<ClosedSession>& closed) {
+  for (const ClosedSession& cs : closed) {
+    ConnPtr c;
+    {
+      MutexLock lock(mu_);
+      auto it = by_session_.find(cs.session_id);
+      if (it != by_session_.end()) c = it->second;
+    }
+    if (c == nullptr) {  // its connection is closing already
+      registry_.EndSession(cs.session_id, ReleaseReason::kOptimizerFailed);
+      continue;
+    }
+    v1::SideReply notice;
+    notice.set_code(static_cast<int>(absl::StatusCode::kAborted));
+    notice.set_message(cs.reason);
+    notice.mutable_notice()->set_kind(v1::SideNotice::SESSION_CLOSED);
+    notice.mutable_notice()->set_message(cs.reason);
+    Send(*c, notice);  // first, so the client reads why before any request of it fails
+    spdlog::info("event=session_closed_notice session={} uid={} pid={} reason=\"{}\"",
+                 cs.session_id, c->uid, c->pid, cs.reason);
+    registry_.EndSession(cs.session_id, ReleaseReason::kOptimizerFailed);
+    RequestClose(c, "optimizer_failed");
   }
 }
 

@@ -18,9 +18,9 @@
 #include <sstream>
 #include <thread>
 
-#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "proto/side_message.h"
 #include "proto/wire.h"
 
 namespace tsd::testing {
@@ -144,21 +144,10 @@ std::unique_ptr<tsd::Client> DaemonProcess::Connect() const {
   return c.ok() ? std::move(*c) : nullptr;
 }
 
-RawSession::RawSession(const std::string& socket) : socket_(socket) {
-  channel_ = grpc::CreateChannel("unix:" + socket, grpc::InsecureChannelCredentials());
-  stub_ = v1::Tsd::NewStub(channel_);
-}
+RawSession::RawSession(const std::string& socket) : socket_(socket) {}
 
 RawSession::~RawSession() {
   if (side_fd_ >= 0) close(side_fd_);
-}
-
-grpc::Status RawSession::Attach(const std::string& job, uint64_t quota, v1::AttachResponse* out) {
-  v1::AttachRequest req;
-  req.set_job(job);
-  req.set_quota_bytes(quota);
-  grpc::ClientContext ctx;
-  return stub_->Attach(&ctx, req, out);
 }
 
 int RawSession::ConnectSide() {
@@ -171,6 +160,48 @@ int RawSession::ConnectSide() {
   EXPECT_EQ(connect(side_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0)
       << std::strerror(errno);
   return side_fd_;
+}
+
+bool RawSession::Read(v1::SideReply* out, int timeout_ms, int* fd_out) {
+  wire::SideAssembler<v1::SideReply> assembler;
+  for (;;) {
+    pollfd p{side_fd_, POLLIN, 0};
+    if (poll(&p, 1, timeout_ms) != 1) return false;
+    auto d = wire::ReceiveDatagram(side_fd_, false);
+    if (!d.ok()) return false;
+    uint64_t id = 0;
+    auto whole = assembler.Feed(std::move(*d), &id);
+    EXPECT_TRUE(whole.ok()) << whole.status();
+    if (!whole.ok()) return false;
+    if (!*whole) continue;
+    *out = std::move(assembler.message());
+    const int fd = assembler.TakeFd();
+    if (fd_out != nullptr) {
+      *fd_out = fd;
+    } else if (fd >= 0) {
+      close(fd);
+    }
+    return true;
+  }
+}
+
+namespace {
+// The daemon may close right after an error reply: peek for EOF briefly.
+bool ClosedSoon(int fd) {
+  pollfd q{fd, POLLIN, 0};
+  if (poll(&q, 1, 200) != 1) return false;
+  char c;
+  return recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+}  // namespace
+
+v1::SideReply RawSession::Request(v1::SideRequest req, bool* closed, int* fd_out, int send_fd) {
+  if (req.request_id() == 0) req.set_request_id(next_id_++);
+  EXPECT_TRUE(wire::SendSideMessage(side_fd_, req, send_fd, 5000).ok());
+  v1::SideReply reply;
+  const bool got = Read(&reply, 5000, fd_out);
+  if (closed != nullptr) *closed = !got || ClosedSoon(side_fd_);
+  return reply;
 }
 
 v1::SideReply RawSession::SendRaw(const std::string& bytes, bool* closed, int* fd_out) {
@@ -190,31 +221,24 @@ v1::SideReply RawSession::SendRaw(const std::string& bytes, bool* closed, int* f
   } else if (d->fd >= 0) {
     close(d->fd);
   }
-  if (closed) {
-    // The daemon may close right after an error reply: peek for EOF briefly.
-    pollfd q{side_fd_, POLLIN, 0};
-    if (poll(&q, 1, 200) == 1) {
-      char c;
-      *closed = recv(side_fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
-    }
-  }
+  if (closed) *closed = ClosedSoon(side_fd_);
   return reply;
 }
 
-v1::SideReply RawSession::Hello(const v1::SessionRef& ref) {
+v1::SideReply RawSession::Attach(const std::string& job, uint64_t quota, uint32_t protocol) {
+  ConnectSide();
   v1::SideRequest req;
-  *req.mutable_hello()->mutable_session() = ref;
-  return SendRaw(req.SerializeAsString(), nullptr);
+  req.mutable_attach()->set_job(job);
+  req.mutable_attach()->set_quota_bytes(quota);
+  req.mutable_attach()->set_protocol_version(protocol);
+  req.mutable_attach()->set_client_version("raw test session");
+  return Request(std::move(req));
 }
 
-v1::SessionRef RawSession::Open(const std::string& job, uint64_t quota) {
-  v1::AttachResponse resp;
-  grpc::Status s = Attach(job, quota, &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  ConnectSide();
-  v1::SideReply r = Hello(resp.session());
+uint64_t RawSession::Open(const std::string& job, uint64_t quota) {
+  v1::SideReply r = Attach(job, quota);
   EXPECT_EQ(r.code(), 0) << r.message();
-  return resp.session();
+  return r.attach().session_id();
 }
 
 }  // namespace tsd::testing

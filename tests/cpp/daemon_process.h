@@ -1,17 +1,19 @@
 // DaemonProcess runs a real `tsd` as a child process on a socket in a fresh temporary directory,
 // for tests that exercise the daemon end to end. It waits until the daemon answers, can stop it
 // with a signal and report how it exited, and counts the daemon's open descriptors. A RawSession
-// speaks the protocol by hand (gRPC stub plus side socket), so tests can send what a well-behaved
-// client never would.
+// speaks the side-socket protocol by hand, so tests can send what a well-behaved client never
+// would.
 #pragma once
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "proto/tsd.grpc.pb.h"
+#include "proto/tsd.pb.h"
+#include "proto/wire.h"
 #include "tsd/client.h"
 
 namespace tsd::testing {
@@ -56,30 +58,34 @@ std::string RunCommand(const std::string& cmd, int* rc = nullptr);
 // Polls `pred` every 10 ms for up to `seconds`; true once it holds.
 bool WaitFor(const std::function<bool()>& pred, double seconds);
 
-// A session driven by hand.
+// A side connection driven by hand.
 class RawSession {
  public:
   explicit RawSession(const std::string& socket);
   ~RawSession();
-  v1::Tsd::Stub& stub() { return *stub_; }
-  // Attach over gRPC only (no hello yet).
-  grpc::Status Attach(const std::string& job, uint64_t quota, v1::AttachResponse* out);
   // Opens a side connection (closing any earlier one) and returns its descriptor.
   int ConnectSide();
-  // Sends a hello for `ref` on the side connection; returns the reply.
-  v1::SideReply Hello(const v1::SessionRef& ref);
-  // Sends raw bytes on the side connection and reads one reply; `closed` is set when the daemon
-  // closed the connection instead of (or after) replying.
+  // Sends `req` (numbered with the next request id when it has none; `send_fd` travels with it)
+  // and reads one whole message back; `closed` is set when the daemon closed the connection
+  // instead of (or right after) replying. `fd_out` gets a descriptor that came with the reply.
+  v1::SideReply Request(v1::SideRequest req, bool* closed = nullptr, int* fd_out = nullptr,
+                        int send_fd = -1);
+  // Sends raw bytes as one datagram and reads one reply, like Request.
   v1::SideReply SendRaw(const std::string& bytes, bool* closed, int* fd_out = nullptr);
-  // Attach and hello in one go (asserts success).
-  v1::SessionRef Open(const std::string& job, uint64_t quota = 0);
+  // Reads the next whole message (waiting up to `timeout_ms`); false when none came.
+  bool Read(v1::SideReply* out, int timeout_ms, int* fd_out = nullptr);
+  // A new side connection and an attach on it; returns the reply.
+  v1::SideReply Attach(const std::string& job, uint64_t quota = 0,
+                       uint32_t protocol = wire::kProtocolVersion);
+  // Attach, asserting success; returns the session id.
+  uint64_t Open(const std::string& job, uint64_t quota = 0);
   int side_fd() const { return side_fd_; }
+  uint64_t last_request_id() const { return next_id_ - 1; }
 
  private:
   std::string socket_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Tsd::Stub> stub_;
   int side_fd_ = -1;
+  uint64_t next_id_ = 1;
 };
 
 }  // namespace tsd::testing

@@ -1,14 +1,21 @@
 // Malformed input, from a hostile or broken client: zero and huge sizes, bad names, unknown ids,
 // and garbage, truncated, oversized or descriptor-carrying datagrams on the side socket. Each gets
 // a clear error, nothing changes, and a second, well-behaved client keeps working throughout.
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <memory>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "daemon_process.h"
+#include "proto/side_message.h"
 #include "proto/wire.h"
+#include "tsd/optimizer.h"
 
 namespace tsd::testing {
 namespace {
@@ -78,36 +85,35 @@ TEST_F(Malformed, SizesNamesAndIds) {
   EXPECT_EQ(other->Attach("white space").code(), absl::StatusCode::kInvalidArgument);
   // Unknown ids.
   RawSession raw(daemon_->socket());
-  const v1::SessionRef ref = raw.Open("raw-victim");
-  v1::FreeRequest free_req;
-  *free_req.mutable_session() = ref;
-  free_req.set_region_id(region_->id());  // exists, but in another job
-  v1::FreeResponse free_resp;
-  {
-    grpc::ClientContext ctx;
-    grpc::Status s = raw.stub().Free(&ctx, free_req, &free_resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
-    EXPECT_THAT(s.error_message(), HasSubstr("does not exist in job 'raw-victim'"));
-  }
-  free_req.set_region_id(123456789);
-  {
-    grpc::ClientContext ctx;
-    EXPECT_EQ(raw.stub().Free(&ctx, free_req, &free_resp).error_code(),
-              grpc::StatusCode::NOT_FOUND);
-  }
-  free_req.mutable_session()->set_session_id(987654321);
-  {
-    grpc::ClientContext ctx;
-    grpc::Status s = raw.stub().Free(&ctx, free_req, &free_resp);
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
-    EXPECT_THAT(s.error_message(), HasSubstr("session 987654321 does not exist"));
-  }
+  raw.Open("raw-victim");
+  v1::SideRequest free_req;
+  free_req.mutable_free()->set_region_id(region_->id());  // exists, but in another job
+  v1::SideReply reply = raw.Request(free_req);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kNotFound));
+  EXPECT_THAT(reply.message(), HasSubstr("does not exist in job 'raw-victim'"));
+  free_req.mutable_free()->set_region_id(123456789);
+  EXPECT_EQ(raw.Request(free_req).code(), static_cast<int>(absl::StatusCode::kNotFound));
   v1::SideRequest get;
   get.mutable_get_fd()->set_region_id(region_->id());  // another job's region, by its real id
   int fd = -1;
-  v1::SideReply reply = raw.SendRaw(get.SerializeAsString(), nullptr, &fd);
+  reply = raw.Request(get, nullptr, &fd);
   EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kNotFound));
   EXPECT_EQ(fd, -1);
+  // Requests without a request id or without a kind: refused, the session survives.
+  v1::SideRequest unnumbered;
+  unnumbered.mutable_list_regions();
+  unnumbered.set_request_id(0);
+  bool closed = true;
+  reply = raw.SendRaw(unnumbered.SerializeAsString(), &closed);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(reply.message(), HasSubstr("request_id 0"));
+  EXPECT_FALSE(closed);
+  v1::SideRequest empty;
+  reply = raw.Request(empty, &closed);
+  EXPECT_EQ(reply.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(reply.message(), HasSubstr("names no request"));
+  EXPECT_EQ(reply.request_id(), raw.last_request_id());
+  EXPECT_FALSE(closed);
   // A duplicate region name.
   ASSERT_TRUE(c->Alloc("twice", 4096).ok());
   EXPECT_EQ(c->Alloc("twice", 4096).status().code(), absl::StatusCode::kAlreadyExists);
@@ -116,42 +122,67 @@ TEST_F(Malformed, SizesNamesAndIds) {
 
 TEST_F(Malformed, GarbageOnTheSideSocket) {
   RawSession raw(daemon_->socket());
-  // Before a hello: one bad datagram gets an error and the connection is closed.
+  // Before an attach: one bad datagram gets an error saying what failed, and the connection is
+  // closed.
   raw.ConnectSide();
   bool closed = false;
   v1::SideReply r = raw.SendRaw("\xff\xfe garbage \x00\x01", &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(r.message(), HasSubstr("not a valid tsd.v1.SideRequest"));
+  EXPECT_THAT(r.message(), HasSubstr("is not a valid tsd.v1.SideRequest"));
+  EXPECT_THAT(r.message(), HasSubstr("at byte 0"));
   EXPECT_TRUE(closed);
-  // A truncated hello (the first half of a valid one).
-  v1::AttachResponse pending;
-  ASSERT_TRUE(raw.Attach("garbage-job", 0, &pending).ok());
-  v1::SideRequest hello;
-  *hello.mutable_hello()->mutable_session() = pending.session();
-  const std::string full = hello.SerializeAsString();
+  // A truncated attach (the first half of a valid one): the message says where it broke off.
+  v1::SideRequest attach;
+  attach.set_request_id(1);
+  attach.mutable_attach()->set_job("garbage-job");
+  attach.mutable_attach()->set_protocol_version(wire::kProtocolVersion);
+  const std::string full = attach.SerializeAsString();
   raw.ConnectSide();
-  r = raw.SendRaw(full.substr(0, full.size() / 2), &closed);
+  r = raw.SendRaw(full.substr(0, full.size() - 3), &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("field 2 (attach)"));
+  EXPECT_THAT(r.message(), HasSubstr("remain"));
+  EXPECT_EQ(r.request_id(), 1u) << "the id was readable, so the error reply carries it";
   EXPECT_TRUE(closed);
+  // A job name that is not UTF-8, as protobuf strings must be.
+  raw.ConnectSide();
+  v1::SideRequest latin1 = attach;
+  latin1.mutable_attach()->set_job("caf\xe9");
+  r = raw.SendRaw(latin1.SerializeAsString(), &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("not valid UTF-8"));
   // An empty datagram, and one larger than the limit.
   raw.ConnectSide();
   r = raw.SendRaw(std::string(), &closed);
   EXPECT_TRUE(
       closed);  // on SOCK_SEQPACKET an empty datagram reads as end-of-stream: the daemon hangs up
   raw.ConnectSide();
-  const std::string oversized(wire::kMaxSideMessageBytes + 100, 'A');
+  const std::string oversized(wire::kMaxSideDatagramBytes + 100, 'A');
   ASSERT_EQ(send(raw.side_fd(), oversized.data(), oversized.size(), 0),
             static_cast<ssize_t>(oversized.size()));
   auto big_reply = wire::ReceiveDatagram(raw.side_fd(), false);
   ASSERT_TRUE(big_reply.ok());
   ASSERT_TRUE(r.ParseFromString(big_reply->bytes));
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(r.message(), HasSubstr("larger than"));
-  // After a proper hello, garbage gets an error but the session survives.
-  raw.ConnectSide();
-  r = raw.Hello(pending.session());
+  // After a proper attach, garbage gets an error but the session survives.
+  r = raw.Attach("garbage-job");
   ASSERT_EQ(r.code(), 0) << r.message();
   r = raw.SendRaw("\x0a\x05junk", &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("at byte 0"));
+  EXPECT_FALSE(closed);
+  // A fragment that claims more is coming, then a whole message: refused, session survives.
+  v1::SideRequest fragment;
+  fragment.set_request_id(77);
+  fragment.set_fragment("partial");
+  fragment.set_more_fragments(true);
+  ASSERT_TRUE(wire::SendDatagram(raw.side_fd(), fragment.SerializeAsString()).ok());
+  v1::SideRequest list;
+  list.mutable_list_regions();
+  r = raw.Request(list, &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("fragments of request 77"));
   EXPECT_FALSE(closed);
   // Descriptors sent to the daemon are closed, not kept.
   const int fds_before = daemon_->OpenFds();
@@ -160,29 +191,109 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
     ASSERT_EQ(pipe(pipefd), 0);
     v1::SideRequest get;
     get.mutable_get_fd()->set_region_id(424242);
-    ASSERT_TRUE(wire::SendDatagram(raw.side_fd(), get.SerializeAsString(), pipefd[0]).ok());
+    r = raw.Request(get, nullptr, nullptr, pipefd[0]);
     close(pipefd[0]);
     close(pipefd[1]);
-    auto d = wire::ReceiveDatagram(raw.side_fd(), false);
-    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kNotFound));
   }
   EXPECT_EQ(daemon_->OpenFds(), fds_before);
+  // A state request with a pipe instead of a file: refused with what to do instead.
+  {
+    int pipefd[2];
+    ASSERT_EQ(pipe(pipefd), 0);
+    v1::SideRequest save;
+    save.mutable_save_state();
+    r = raw.Request(save, nullptr, nullptr, pipefd[1]);
+    close(pipefd[0]);
+    close(pipefd[1]);
+    EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_THAT(r.message(), HasSubstr("is a pipe"));
+    EXPECT_THAT(r.message(), HasSubstr("regular file or a memfd"));
+  }
   // The session still works for real requests.
-  v1::AllocRequest alloc;
-  *alloc.mutable_session() = pending.session();
-  alloc.set_name("after-garbage");
-  alloc.set_size_bytes(8192);
-  v1::AllocResponse resp;
-  grpc::ClientContext ctx;
-  ASSERT_TRUE(raw.stub().Alloc(&ctx, alloc, &resp).ok());
+  v1::SideRequest alloc;
+  alloc.mutable_alloc()->set_name("after-garbage");
+  alloc.mutable_alloc()->set_size_bytes(8192);
+  r = raw.Request(alloc);
+  ASSERT_EQ(r.code(), 0) << r.message();
   v1::SideRequest get;
-  get.mutable_get_fd()->set_region_id(resp.region().region_id());
+  get.mutable_get_fd()->set_region_id(r.alloc().region().region_id());
   int fd = -1;
-  r = raw.SendRaw(get.SerializeAsString(), &closed, &fd);
+  r = raw.Request(get, &closed, &fd);
   EXPECT_EQ(r.code(), 0);
   EXPECT_GE(fd, 0);
   if (fd >= 0) close(fd);
   ExpectBystanderFine((1 << 20) + 8192);
+}
+
+// Requests too large for one datagram travel in fragments; the daemon bounds what it holds of
+// half-sent ones: per request, in all (so slow senders cannot make it hold unbounded memory), and
+// not at all before an attach. The bystander is served throughout.
+TEST_F(Malformed, HalfSentRequestsAreBounded) {
+  auto fragment = [](uint64_t id) {
+    v1::SideRequest f;
+    f.set_request_id(id);
+    f.set_fragment(std::string(wire::kMaxSideDatagramBytes - 64, 'f'));
+    f.set_more_fragments(true);
+    return f.SerializeAsString();
+  };
+  // Before an attach: refused and closed.
+  RawSession early(daemon_->socket());
+  early.ConnectSide();
+  bool closed = false;
+  v1::SideReply r = early.SendRaw(fragment(1), &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(r.message(), HasSubstr("before SideAttach"));
+  EXPECT_TRUE(closed);
+  // One request larger than the request limit.
+  RawSession big(daemon_->socket());
+  big.Open("big-sender");
+  const size_t per_request = wire::kMaxSideRequestBytes / (wire::kMaxSideDatagramBytes - 64);
+  for (size_t i = 0; i < per_request; ++i) {
+    ASSERT_TRUE(wire::SendDatagram(big.side_fd(), fragment(5), -1, 5000).ok());
+  }
+  ASSERT_TRUE(wire::SendDatagram(big.side_fd(), fragment(5), -1, 5000).ok());
+  ASSERT_TRUE(big.Read(&r, 5000));
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("exceeds 4 MiB"));
+  EXPECT_EQ(r.request_id(), 5u);
+  // Many sessions each holding most of a request: the one that takes the total past 64 MiB is
+  // refused. (SIOCOUTQ says when the daemon has read everything a session sent.)
+  std::vector<std::unique_ptr<RawSession>> slow;
+  int first_refused = -1;
+  const size_t each = (per_request - 2) * (wire::kMaxSideDatagramBytes - 64);
+  for (int s = 0; s < 20 && first_refused < 0; ++s) {
+    slow.push_back(std::make_unique<RawSession>(daemon_->socket()));
+    slow.back()->Open("slow-" + std::to_string(s));
+    const int fd = slow.back()->side_fd();
+    for (size_t i = 0; i + 2 < per_request; ++i) {
+      ASSERT_TRUE(wire::SendDatagram(fd, fragment(9), -1, 5000).ok());
+    }
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          int unread = -1;
+          return ioctl(fd, SIOCOUTQ, &unread) == 0 && unread == 0;
+        },
+        5));
+    v1::SideReply maybe;
+    if (slow.back()->Read(&maybe, 50)) {
+      EXPECT_EQ(maybe.code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
+      EXPECT_THAT(maybe.message(), HasSubstr("half-sent requests from all clients"));
+      first_refused = s;
+    }
+  }
+  EXPECT_EQ(first_refused, static_cast<int>((64u << 20) / each))
+      << "the session that takes the total past 64 MiB";
+  ExpectBystanderFine(1 << 20);
+  // Once they go, what they held is released: a fragmented request goes through again.
+  slow.clear();
+  auto c = daemon_->Connect();
+  ASSERT_TRUE(c->Attach("after-the-flood").ok());
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  for (uint32_t b = 0; b < 20000; ++b) spec.buckets.push_back({0, 64, DType::kF32, DType::kF32});
+  auto opt = c->RegisterOptimizer(spec);
+  EXPECT_TRUE(opt.ok()) << opt.status();
 }
 
 }  // namespace

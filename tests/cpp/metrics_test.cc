@@ -18,23 +18,21 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// A registry with one live job, `name` (attach and hello, as the side socket would).
-std::unique_ptr<Registry> RegistryWithJob(const std::string& name, v1::SessionRef* ref) {
+// A registry with one live job, `name` (attached as the side socket would); `*session` is its
+// session.
+std::unique_ptr<Registry> RegistryWithJob(const std::string& name, uint64_t* session) {
   RegistryOptions o;
   o.pool_bytes = 64 << 20;
   o.max_job_quota_bytes = 32 << 20;
   auto r = std::make_unique<Registry>(o);
-  auto grant = r->BeginAttach(name, 0);
-  EXPECT_TRUE(grant.ok());
-  const std::string token(grant->token.begin(), grant->token.end());
-  EXPECT_TRUE(r->CompleteHello(grant->session_id, token, getuid(), getpid()).ok());
-  ref->set_session_id(grant->session_id);
-  ref->set_token(token);
+  auto attached = r->Attach(name, 0, getuid(), getpid());
+  EXPECT_TRUE(attached.ok());
+  *session = attached.ok() ? attached->session_id : 0;
   return r;
 }
 
 TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   ASSERT_TRUE(registry->Alloc(ref, "r", 1 << 20).ok());
   Metrics metrics(*registry);
@@ -53,7 +51,7 @@ TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
 }
 
 TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
   auto observer = metrics.ObserverFor("job-a");
@@ -78,7 +76,7 @@ TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
 }
 
 TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
   metrics.ObserverFor("job-a")->OnStep(1);
@@ -95,7 +93,7 @@ TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
 // An optimizer may outlive its job's entry in the registry for a moment (work in flight): its
 // observer keeps the series, so it never records into a removed metric, and they go once it ends.
 TEST(Metrics, AHeldObserverKeepsItsSeriesUntilItIsDropped) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics metrics(*registry);
   auto observer = metrics.ObserverFor("job-a");
@@ -115,7 +113,7 @@ TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
   EXPECT_THAT(text, HasSubstr("tsd_build_info{version="));
   EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));
   EXPECT_THAT(text, Not(HasSubstr("tsd_pool_bytes")));
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("early", &ref);
   metrics.WatchRegistry(*registry);
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_pool_bytes 67108864\n"));
@@ -124,7 +122,7 @@ TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
 }
 
 TEST(Metrics, ListenReportsAPortAndATakenOneIsAnError) {
-  v1::SessionRef ref;
+  uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   Metrics first(*registry);
   ASSERT_TRUE(first.Listen("127.0.0.1:0").ok());

@@ -414,6 +414,15 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
     EXPECT_THAT(std::string(refused.message()), HasSubstr(tc.says)) << tc.what;
     EXPECT_TRUE(WaitFor([&] { return !victim.client->ListRegions().ok(); }, 2))
         << tc.what << ": session not closed";
+    // The daemon said why before it closed the connection, and the reason stays readable.
+    auto notice = victim.client->LastNotice();
+    ASSERT_TRUE(notice.has_value()) << tc.what << ": no notice";
+    EXPECT_EQ(notice->kind, Notice::Kind::kSessionClosed) << tc.what;
+    EXPECT_THAT(notice->message, HasSubstr(tc.says)) << tc.what;
+    auto later = victim.client->ListRegions();
+    EXPECT_EQ(later.status().code(), absl::StatusCode::kAborted) << tc.what;  // SessionClosed
+    EXPECT_THAT(std::string(later.status().message()), HasSubstr(tc.says)) << tc.what;
+    EXPECT_FALSE(victim.client->attached()) << tc.what;
     EXPECT_THAT(d->log(), HasSubstr("event=optimizer_failed")) << tc.what;
     EXPECT_THAT(d->log(), HasSubstr("reason=optimizer_failed")) << tc.what;
   }

@@ -2,9 +2,9 @@
 // gRPC state ever crosses a fork. Modes:
 //   alloc-loop SOCKET JOB
 //       attach, print "attached", then allocate and write regions without end (the test kills it)
-//   intruder SOCKET JOB SESSION_ID TOKEN_HEX UID GID
-//       drop to UID/GID, then try every way into JOB's memory; print one "name=code" line each and
-//       "fds_received=N"; exit 0
+//   intruder SOCKET JOB REGION_ID UID GID
+//       drop to UID/GID, then try every way into JOB's memory (REGION_ID is one of its regions);
+//       print one "name=code" line each and "fds_received=N"; exit 0
 #include <grp.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "proto/side_message.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
 #include "tsd/client.h"
@@ -40,8 +41,10 @@ int SideConnect(const std::string& path) {
 }
 
 // Sends a request and returns the reply's code (-1: connection closed without a reply).
-int Exchange(int fd, const tsd::v1::SideRequest& req) {
-  if (!tsd::wire::SendDatagram(fd, req.SerializeAsString()).ok()) return -1;
+int Exchange(int fd, tsd::v1::SideRequest req) {
+  static uint64_t next_id = 1;
+  req.set_request_id(next_id++);
+  if (!tsd::wire::SendSideMessage(fd, req, -1, 5000).ok()) return -1;
   pollfd p{fd, POLLIN, 0};
   if (poll(&p, 1, 5000) != 1) return -2;
   auto d = tsd::wire::ReceiveDatagram(fd, false);
@@ -52,22 +55,22 @@ int Exchange(int fd, const tsd::v1::SideRequest& req) {
   }
   tsd::v1::SideReply reply;
   if (!reply.ParseFromString(d->bytes)) return -3;
+  if (reply.request_id() != req.request_id()) return -4;
   return reply.code();
 }
 
-std::string FromHex(const std::string& hex) {
-  std::string out;
-  for (size_t i = 0; i + 1 < hex.size(); i += 2)
-    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
-  return out;
+tsd::v1::SideRequest AttachTo(const std::string& job) {
+  tsd::v1::SideRequest req;
+  req.mutable_attach()->set_job(job);
+  req.mutable_attach()->set_protocol_version(tsd::wire::kProtocolVersion);
+  return req;
 }
 
 int Intruder(char** argv) {
   const std::string socket = argv[2], job = argv[3];
-  const uint64_t session_id = std::stoull(argv[4]);
-  const std::string token = FromHex(argv[5]);
-  const uid_t uid = static_cast<uid_t>(std::stoul(argv[6]));
-  const gid_t gid = static_cast<gid_t>(std::stoul(argv[7]));
+  const uint64_t region = std::stoull(argv[4]);
+  const uid_t uid = static_cast<uid_t>(std::stoul(argv[5]));
+  const gid_t gid = static_cast<gid_t>(std::stoul(argv[6]));
   if (setgroups(1, &gid) != 0 || setgid(gid) != 0 || setuid(uid) != 0) {
     std::printf("drop_privileges_failed errno=%d\n", errno);
     return 3;
@@ -82,26 +85,41 @@ int Intruder(char** argv) {
     std::printf("attach=%d\n", static_cast<int>(s.code()));
     std::printf("attach_message=%s\n", std::string(s.message()).c_str());
   }
-  // 2. A stolen token of the job's session, presented on the side socket.
-  tsd::v1::SideRequest hello;
-  hello.mutable_hello()->mutable_session()->set_session_id(session_id);
-  hello.mutable_hello()->mutable_session()->set_token(token);
+  // 2. A raw side connection asking for the job, then acting on it anyway.
   int fd = SideConnect(socket);
-  std::printf("stolen_hello=%d\n", fd < 0 ? -1 : Exchange(fd, hello));
+  std::printf("raw_attach=%d\n", fd < 0 ? -1 : Exchange(fd, AttachTo(job)));
+  tsd::v1::SideRequest detach;
+  detach.mutable_detach();
+  std::printf("detach_after_refusal=%d\n", fd < 0 ? -1 : Exchange(fd, detach));
   if (fd >= 0) close(fd);
-  // 3. Asking for descriptors without any hello.
-  fd = SideConnect(socket);
-  for (uint64_t region = 1; region <= 4 && fd >= 0; ++region) {
-    tsd::v1::SideRequest get;
-    get.mutable_get_fd()->set_region_id(region);
-    std::printf("getfd_without_hello_%llu=%d\n", static_cast<unsigned long long>(region),
-                Exchange(fd, get));
+  // 3. Session calls without any attach: each connection is closed after the first.
+  struct Call {
+    const char* name;
+    tsd::v1::SideRequest req;
+  };
+  std::vector<Call> calls(5);
+  calls[0].name = "getfd_without_attach";
+  calls[0].req.mutable_get_fd()->set_region_id(region);
+  calls[1].name = "free_without_attach";
+  calls[1].req.mutable_free()->set_region_id(region);
+  calls[2].name = "alloc_without_attach";
+  calls[2].req.mutable_alloc()->set_name("stolen");
+  calls[2].req.mutable_alloc()->set_size_bytes(4096);
+  calls[3].name = "detach_without_attach";
+  calls[3].req.mutable_detach();
+  calls[4].name = "list_without_attach";
+  calls[4].req.mutable_list_regions();
+  for (auto& c : calls) {
+    fd = SideConnect(socket);
+    std::printf("%s=%d\n", c.name, fd < 0 ? -1 : Exchange(fd, c.req));
+    std::printf("%s_again=%d\n", c.name, fd < 0 ? -1 : Exchange(fd, c.req));
+    if (fd >= 0) close(fd);
   }
-  if (fd >= 0) close(fd);
-  // 4. A made-up token.
-  hello.mutable_hello()->mutable_session()->set_token(std::string(tsd::wire::kTokenBytes, 'x'));
+  // 4. A session of its own job, reaching for the other job's region by its real id.
   fd = SideConnect(socket);
-  std::printf("madeup_hello=%d\n", fd < 0 ? -1 : Exchange(fd, hello));
+  std::printf("own_attach=%d\n", fd < 0 ? -1 : Exchange(fd, AttachTo("intruders-own")));
+  std::printf("own_getfd=%d\n", fd < 0 ? -1 : Exchange(fd, calls[0].req));
+  std::printf("own_free=%d\n", fd < 0 ? -1 : Exchange(fd, calls[1].req));
   if (fd >= 0) close(fd);
   std::printf("fds_received=%d\n", fds_received);
   return 0;
@@ -149,10 +167,11 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "alloc-loop" && argc == 4) return AllocLoop(argv);
-  if (mode == "intruder" && argc == 8) return Intruder(argv);
+  if (mode == "intruder" && argc == 7) return Intruder(argv);
   if (mode == "optimizer-loop" && argc == 4) return OptimizerLoop(argv);
   std::fprintf(
       stderr,
-      "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB SESSION TOKEN UID GID\n");
+      "usage: tsd_test_client alloc-loop SOCKET JOB | intruder SOCKET JOB REGION_ID UID GID | "
+      "optimizer-loop SOCKET JOB\n");
   return 2;
 }

@@ -7,6 +7,13 @@
 // pinned speed. All methods are thread-safe and return absl::Status / absl::StatusOr: errors carry
 // the daemon's message (what was wrong, what is available).
 //
+// A session is one connection to tsd's side socket, where the daemon learns this process's uid
+// from the kernel; every call of the session travels on it, one at a time, each with a request
+// id its reply must echo. A request that gets no reply within the request timeout closes the
+// connection, which ends the session (the daemon releases the job with its last session): the
+// client never reads a late reply as the answer to a later request. The daemon may send a notice
+// (it is shutting down, or it closed the session and why); `LastNotice()` keeps the last one.
+//
 //   auto client = tsd::Client::Connect();           // $TSD_SOCKET, else the default socket
 //   RETURN_IF_ERROR((*client)->Attach("my-job", 8ull << 30));
 //   auto region = (*client)->Alloc("grads", 1 << 20);  // mapped, read-write
@@ -18,9 +25,10 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include <optional>
+
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace tsd {
 
@@ -38,6 +46,7 @@ struct PoolStatus {
   uint32_t sessions = 0;
   uint64_t max_job_quota_bytes = 0;
   uint32_t pid = 0;
+  uint32_t protocol_version = 0;  // of the daemon's side-socket protocol (0: older than 2)
 };
 
 // One job, as `Client::Jobs` reports it.
@@ -48,6 +57,13 @@ struct JobStatus {
   uint64_t used_bytes = 0;
   uint64_t quota_bytes = 0;
   uint32_t regions = 0;
+};
+
+// Something tsd said on its own initiative on the session's connection.
+struct Notice {
+  enum class Kind { kShutdown, kSessionClosed, kOther };
+  Kind kind = Kind::kOther;
+  std::string message;
 };
 
 // A region's identity without a mapping.
@@ -133,6 +149,13 @@ class Client final {
   // the layout and the bytes it would charge, allocating nothing. Needs no session.
   absl::StatusOr<OptimizerLayout> PlanOptimizer(const OptimizerSpec& spec);
   absl::StatusOr<std::vector<JobStatus>> Jobs();
+
+  // How long a request of the session waits for its reply (default 120 s; saving and loading
+  // optimizer state wait at least an hour). A request that times out ends the session.
+  void SetRequestTimeout(absl::Duration timeout);
+  // The last notice tsd sent this client (a shutdown, or why it closed the session), if any;
+  // reads one that arrived while the client was idle.
+  std::optional<Notice> LastNotice() const;
 
   const std::string& socket_path() const { return socket_path_; }
   bool attached() const;

@@ -1,0 +1,268 @@
+#include "daemon/rpc/side_handler.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/ops/version.h"
+#include "proto/status_macros.h"
+#include "proto/wire.h"
+#include "spdlog/spdlog.h"
+
+namespace tsd {
+namespace {
+
+void SetError(v1::SideReply& reply, const absl::Status& status) {
+  reply.set_code(static_cast<int>(status.code()));
+  reply.set_message(std::string(status.message()));
+}
+
+const char* KindName(const v1::SideRequest& r) {
+  switch (r.kind_case()) {
+    case v1::SideRequest::kAttach:
+      return "attach";
+    case v1::SideRequest::kGetFd:
+      return "get_fd";
+    case v1::SideRequest::kSaveState:
+      return "save_state";
+    case v1::SideRequest::kLoadState:
+      return "load_state";
+    case v1::SideRequest::kAlloc:
+      return "alloc";
+    case v1::SideRequest::kFree:
+      return "free";
+    case v1::SideRequest::kListRegions:
+      return "list_regions";
+    case v1::SideRequest::kDetach:
+      return "detach";
+    case v1::SideRequest::kRegisterOptimizer:
+      return "register_optimizer";
+    case v1::SideRequest::KIND_NOT_SET:
+      break;
+  }
+  return "none";
+}
+
+// Refuses a state descriptor that is not a regular file (or memfd) open the way the request
+// needs it, before the optimizer touches it.
+absl::Status CheckStateFd(int fd, bool save) {
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a ", save ? "save" : "load",
+        "_state request must carry the state file's descriptor (SCM_RIGHTS); none came with it"));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the state descriptor cannot be examined: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* what = S_ISFIFO(st.st_mode)   ? "a pipe"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : S_ISDIR(st.st_mode)  ? "a directory"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                                              : "not a regular file";
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the state descriptor is ", what,
+        "; pass a regular file or a memfd (open the file yourself and send its descriptor)"));
+  }
+  const int flags = fcntl(fd, F_GETFL);
+  const int mode = flags & O_ACCMODE;
+  if (save && mode == O_RDONLY) {
+    return absl::InvalidArgumentError(
+        "the state descriptor is open read-only; open the file for writing to save into it");
+  }
+  if (!save && mode == O_WRONLY) {
+    return absl::InvalidArgumentError(
+        "the state descriptor is open write-only; open the file for reading to load from it");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest& request, int fd) {
+  SideOutcome out;
+  out.reply.set_request_id(request.request_id());
+  const bool wants_fd = request.has_save_state() || request.has_load_state();
+  if (fd >= 0 && !wants_fd) {
+    // Only state requests carry a descriptor: any other is closed unread, so no client can make
+    // the daemon hold descriptors.
+    close(fd);
+    fd = -1;
+    spdlog::warn("event=unexpected_fd uid={} pid={} session={} request={}", caller.uid, caller.pid,
+                 caller.session_id, KindName(request));
+  }
+  struct FdCloser {
+    int fd;
+    ~FdCloser() {
+      if (fd >= 0) close(fd);
+    }
+  } closer{fd};
+  if (request.request_id() == 0) {
+    SetError(out.reply, absl::InvalidArgumentError(
+                            "side request has request_id 0; number requests from 1 (0 marks the "
+                            "daemon's notices)"));
+    out.close = caller.session_id == 0;
+    out.close_reason = "no_request_id";
+    return out;
+  }
+  if (request.kind_case() == v1::SideRequest::KIND_NOT_SET) {
+    SetError(out.reply, absl::InvalidArgumentError(absl::StrCat(
+                            "side request ", request.request_id(),
+                            " names no request (attach, alloc, free, list_regions, get_fd, "
+                            "detach, register_optimizer, save_state or load_state)")));
+    out.close = caller.session_id == 0;
+    out.close_reason = "empty_request";
+    return out;
+  }
+  if (request.has_attach()) {
+    if (caller.session_id != 0) {
+      SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
+                              "this connection already belongs to session ", caller.session_id,
+                              "; open another connection for another session")));
+      return out;
+    }
+    SideOutcome attached = Attach(caller, request.attach());
+    attached.reply.set_request_id(request.request_id());
+    return attached;
+  }
+  if (caller.session_id == 0) {
+    SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
+                            "a ", KindName(request),
+                            " request before SideAttach: this connection has no session; "
+                            "attach first")));
+    out.close = true;
+    out.close_reason = "request_before_attach";
+    return out;
+  }
+  const uint64_t sid = caller.session_id;
+  switch (request.kind_case()) {
+    case v1::SideRequest::kAlloc: {
+      auto info = registry_.Alloc(sid, request.alloc().name(), request.alloc().size_bytes());
+      if (!info.ok()) {
+        SetError(out.reply, info.status());
+      } else {
+        *out.reply.mutable_alloc()->mutable_region() = std::move(*info);
+      }
+      break;
+    }
+    case v1::SideRequest::kFree: {
+      auto freed = registry_.Free(sid, request.free().region_id());
+      if (!freed.ok()) {
+        SetError(out.reply, freed.status());
+      } else {
+        out.reply.mutable_free()->set_freed_bytes(*freed);
+      }
+      break;
+    }
+    case v1::SideRequest::kListRegions: {
+      auto regions = registry_.ListRegions(sid);
+      if (!regions.ok()) {
+        SetError(out.reply, regions.status());
+      } else {
+        for (auto& r : *regions) *out.reply.mutable_list_regions()->add_regions() = std::move(r);
+      }
+      break;
+    }
+    case v1::SideRequest::kGetFd: {
+      auto region = registry_.GetFd(sid, request.get_fd().region_id());
+      if (!region.ok()) {
+        SetError(out.reply, region.status());
+      } else {
+        *out.reply.mutable_fd()->mutable_region() = region->info;
+        out.fd = region->fd;
+      }
+      break;
+    }
+    case v1::SideRequest::kRegisterOptimizer: {
+      auto r = registrar_.Register(sid, request.register_optimizer());
+      if (!r.ok()) {
+        SetError(out.reply, r.status());
+      } else {
+        *out.reply.mutable_register_optimizer() = std::move(*r);
+      }
+      break;
+    }
+    case v1::SideRequest::kSaveState:
+    case v1::SideRequest::kLoadState: {
+      auto moved = State(sid, request.has_save_state(), fd);
+      if (!moved.ok()) {
+        SetError(out.reply, moved.status());
+      } else {
+        out.reply.mutable_state()->set_bytes(*moved);
+      }
+      break;
+    }
+    case v1::SideRequest::kDetach: {
+      auto released = registry_.Detach(sid);
+      if (!released.ok()) {
+        SetError(out.reply, released.status());
+      } else {
+        out.reply.mutable_detach()->set_job_released(*released);
+      }
+      out.close = true;  // the session is over either way
+      out.close_reason = "detach";
+      break;
+    }
+    case v1::SideRequest::kAttach:
+    case v1::SideRequest::KIND_NOT_SET:
+      break;  // handled above
+  }
+  return out;
+}
+
+SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& attach) {
+  SideOutcome out;
+  const uint32_t theirs = attach.protocol_version();
+  if (theirs != wire::kProtocolVersion) {
+    const std::string upgrade =
+        theirs < wire::kProtocolVersion
+            ? absl::StrCat("upgrade the client (libtsclient / the trainstream package) to tsd ",
+                           kVersion, "'s")
+            : "upgrade tsd (or use a client built for protocol " +
+                  std::to_string(wire::kProtocolVersion) + ")";
+    SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
+                            "client speaks protocol ", theirs, ", tsd ", kVersion,
+                            " speaks protocol ", wire::kProtocolVersion, ": ", upgrade)));
+    spdlog::warn(
+        "event=attach_refused reason=protocol_version uid={} pid={} client={} "
+        "client_version=\"{}\"",
+        caller.uid, caller.pid, theirs, attach.client_version());
+    out.close = true;
+    out.close_reason = "protocol_version";
+    return out;
+  }
+  auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid);
+  if (!result.ok()) {
+    spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\"", caller.uid, caller.pid,
+                 std::string(result.status().message()));
+    SetError(out.reply, result.status());
+    out.close = true;
+    out.close_reason = "attach_refused";
+    return out;
+  }
+  auto* reply = out.reply.mutable_attach();
+  reply->set_session_id(result->session_id);
+  reply->set_job(result->job);
+  reply->set_uid(caller.uid);
+  reply->set_quota_bytes(result->quota_bytes);
+  reply->set_job_created(result->job_created);
+  reply->set_protocol_version(wire::kProtocolVersion);
+  reply->set_daemon_version(kVersion);
+  out.bound_session = result->session_id;
+  return out;
+}
+
+absl::StatusOr<uint64_t> SideHandler::State(uint64_t session_id, bool save, int fd) {
+  TSD_RETURN_IF_ERROR(CheckStateFd(fd, save));
+  TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer, registry_.OptimizerOf(session_id));
+  return save ? optimizer->SaveState(fd) : optimizer->LoadState(fd);
+}
+
+}  // namespace tsd

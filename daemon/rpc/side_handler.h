@@ -1,0 +1,53 @@
+// SideHandler turns one side-socket request of a connection into its reply. It is the session
+// half of the protocol (proto/tsd.proto): `SideAttach` binds a connection to a new session of a
+// job for the uid the kernel reported; every later request acts for that session and no other.
+// It checks what the Registry does not (the protocol version, which requests may carry a
+// descriptor, what kind of file a state descriptor is) and maps each request to the Registry or
+// the job's optimizer. It holds no state of its own, so the side server's workers share one.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+
+#include "daemon/jobs/registry.h"
+#include "daemon/optimizer/registrar.h"
+#include "proto/tsd.pb.h"
+
+namespace tsd {
+
+// Who sent a request: the kernel's word for the connection (SO_PEERCRED) and the session the
+// connection belongs to (0 before its attach).
+struct SideCaller {
+  uid_t uid = 0;
+  pid_t pid = 0;
+  uint64_t session_id = 0;
+};
+
+// What to do after a request.
+struct SideOutcome {
+  v1::SideReply reply;
+  int fd = -1;                 // a descriptor to send with the reply; the receiver of this owns it
+  uint64_t bound_session = 0;  // non-zero: the connection belongs to this session from now on
+  bool close = false;          // close the connection once the reply is sent
+  const char* close_reason = "";
+};
+
+class SideHandler final {
+ public:
+  explicit SideHandler(Registry& registry) : registry_(registry), registrar_(registry) {}
+
+  // Serves `request` for `caller`; `fd` (or -1) is a descriptor that came with it, which this
+  // takes (it is closed unless the request is a state request that uses it).
+  SideOutcome Handle(const SideCaller& caller, const v1::SideRequest& request, int fd);
+
+ private:
+  SideOutcome Attach(const SideCaller& caller, const v1::SideAttach& attach);
+  // Save or load the job's optimizer state through `fd`, a file the trainer opened.
+  absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd);
+
+  Registry& registry_;
+  Registrar registrar_;
+};
+
+}  // namespace tsd

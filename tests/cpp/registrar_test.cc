@@ -1,0 +1,111 @@
+// Optimizer registration is all or nothing: a failure after some of the optimizer's regions were
+// allocated, even one caused by the registering session dying half-way, releases every region the
+// registration made, so the job's usage is what it was and a later registration succeeds.
+#include "daemon/optimizer/registrar.h"
+
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "daemon/optimizer/worker_pool.h"
+
+namespace tsd {
+namespace {
+
+using ::testing::HasSubstr;
+
+class RegistrarTest : public ::testing::Test {
+ protected:
+  RegistrarTest() : workers_(1, false) {
+    RegistryOptions o;
+    o.pool_bytes = 256 << 20;
+    o.max_job_quota_bytes = 256 << 20;
+    o.pool = &workers_;
+    registry_ = std::make_unique<Registry>(o);
+    request_.add_groups()->set_lr(1e-3);
+    request_.mutable_groups(0)->set_beta1(0.9);
+    request_.mutable_groups(0)->set_beta2(0.999);
+    request_.mutable_groups(0)->set_eps(1e-8);
+    for (int b = 0; b < 3; ++b) {
+      auto* bucket = request_.add_buckets();
+      bucket->set_numel(100000);
+      bucket->set_grad_dtype(v1::F32);
+      bucket->set_param_dtype(v1::F32);
+    }
+    request_.set_accumulate(true);  // seven regions
+  }
+  uint64_t Attach() {
+    auto a = registry_->Attach("job", 0, getuid(), getpid());
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->session_id : 0;
+  }
+  v1::JobInfo Job() {
+    auto jobs = registry_->Jobs();
+    EXPECT_EQ(jobs.size(), 1u);
+    return jobs.empty() ? v1::JobInfo() : jobs[0];
+  }
+
+  WorkerPool workers_;
+  std::unique_ptr<Registry> registry_;
+  v1::RegisterOptimizerRequest request_;
+};
+
+TEST_F(RegistrarTest, AFailureAfterSomeRegionsLeavesTheJobAsItWas) {
+  const uint64_t session = Attach();
+  ASSERT_TRUE(registry_->Alloc(session, "data", 1 << 20).ok());
+  const v1::JobInfo before = Job();
+  Registrar failing(*registry_, [](size_t allocated) {
+    return allocated == 4 ? absl::InternalError("injected after 4 regions") : absl::OkStatus();
+  });
+  auto r = failing.Register(session, request_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("injected after 4 regions"));
+  EXPECT_EQ(Job().used_bytes(), before.used_bytes());
+  EXPECT_EQ(Job().regions(), 1u);
+  EXPECT_EQ(registry_->Snapshot().used_bytes, before.used_bytes());
+  EXPECT_FALSE(registry_->OptimizerOf(session).ok());
+  // Nothing is left behind to block the next registration.
+  Registrar registrar(*registry_);
+  auto again = registrar.Register(session, request_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Job().used_bytes(), before.used_bytes() + again->state_bytes());
+  EXPECT_EQ(Job().regions(), 8u);
+}
+
+TEST_F(RegistrarTest, TheRegisteringSessionDyingHalfWayLeavesNothingCharged) {
+  const uint64_t dying = Attach();
+  const uint64_t survivor = Attach();
+  const v1::JobInfo before = Job();
+  Registrar registrar(*registry_, [&](size_t allocated) {
+    if (allocated == 2) registry_->SessionDisconnected(dying);  // killed mid-registration
+    return absl::OkStatus();
+  });
+  auto r = registrar.Register(dying, request_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_EQ(Job().sessions(), 1u);
+  EXPECT_EQ(Job().used_bytes(), before.used_bytes())
+      << "the dead session's opt/ regions stay charged";
+  EXPECT_EQ(Job().regions(), 0u);
+  auto again = Registrar(*registry_).Register(survivor, request_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(registry_->OptimizerOf(survivor).ok());
+}
+
+TEST_F(RegistrarTest, TheLastSessionDyingHalfWayReleasesTheJob) {
+  const uint64_t only = Attach();
+  Registrar registrar(*registry_, [&](size_t allocated) {
+    if (allocated == 3) registry_->SessionDisconnected(only);
+    return absl::OkStatus();
+  });
+  EXPECT_FALSE(registrar.Register(only, request_).ok());
+  EXPECT_EQ(registry_->Snapshot().jobs, 0u);
+  EXPECT_EQ(registry_->Snapshot().used_bytes, 0u);
+  // A new job of the same name starts clean.
+  const uint64_t next = Attach();
+  EXPECT_TRUE(Registrar(*registry_).Register(next, request_).ok());
+}
+
+}  // namespace
+}  // namespace tsd
