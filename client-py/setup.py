@@ -65,24 +65,32 @@ def build_tsclient():
 
 class Build(BuildExtension):
     def build_extensions(self):
-        libdir = build_tsclient()
+        self.libdir = build_tsclient()
         for ext in self.extensions:
-            ext.library_dirs.append(libdir)
+            ext.library_dirs.append(self.libdir)
         super().build_extensions()
-        # Ship libtsclient.so.<major> (its SONAME) next to the extension.
-        dest = os.path.join(self.build_lib, "trainstream")
+        self._ship_tsclient(os.path.join(self.build_lib, "trainstream"))
+
+    def run(self):
+        inplace = self.inplace  # setuptools clears it while it builds, then copies the extension
+        super().run()
+        if inplace:
+            self._ship_tsclient(os.path.join(HERE, "trainstream"))
+
+    def _ship_tsclient(self, dest):
+        """Ships libtsclient.so.<major> (its SONAME) next to the extension."""
         os.makedirs(dest, exist_ok=True)
-        for lib in glob.glob(os.path.join(libdir, "libtsclient.so.*")):
+        for lib in glob.glob(os.path.join(self.libdir, "libtsclient.so.*")):
             if lib.count(".so.") == 1 and lib.split(".so.")[1].isdigit():
                 shutil.copy2(lib, dest)
-                if self.inplace:
-                    shutil.copy2(lib, os.path.join(HERE, "trainstream"))
 
 
 ext = CppExtension(
     name="trainstream._C",
     sources=["csrc/module.cc"],
-    include_dirs=[os.path.join(ROOT, "client-cpp", "include")],
+    # client-cpp/include for tsclient; the repository root for proto/wire.h and proto/control_page.h,
+    # whose constants the extension exports (one copy of each fact on both sides).
+    include_dirs=[os.path.join(ROOT, "client-cpp", "include"), ROOT],
     libraries=["tsclient", "absl_status", "absl_statusor", "absl_time", "absl_synchronization"],
     extra_compile_args=["-O2", "-Wall"],
     extra_link_args=["-Wl,-rpath,$ORIGIN"],

@@ -456,6 +456,54 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
   return opt;
 }
 
+absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec) {
+  v1::RegisterOptimizerRequest req;
+  for (const auto& g : spec.groups) {
+    auto* p = req.add_groups();
+    p->set_lr(g.lr);
+    p->set_beta1(g.beta1);
+    p->set_beta2(g.beta2);
+    p->set_eps(g.eps);
+    p->set_weight_decay(g.weight_decay);
+    p->set_amsgrad(spec.amsgrad);
+    p->set_maximize(spec.maximize);
+  }
+  for (const auto& b : spec.buckets) {
+    auto* p = req.add_buckets();
+    p->set_group(b.group);
+    p->set_numel(b.numel);
+    p->set_grad_dtype(static_cast<v1::DType>(b.grad_dtype));
+    p->set_param_dtype(static_cast<v1::DType>(b.param_dtype));
+  }
+  req.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));
+  req.set_max_grad_norm(spec.max_grad_norm);
+  req.set_accumulate(spec.accumulate);
+  req.set_seed(spec.seed);
+  v1::PlanOptimizerResponse r;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = impl_->stub->PlanOptimizer(&ctx, req, &r);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->Explain(s, socket_path_);
+  }
+  if (static_cast<size_t>(r.buckets_size()) != spec.buckets.size()) {
+    return absl::InternalError(absl::StrCat("tsd planned ", r.buckets_size(), " buckets for ",
+                                            spec.buckets.size(), " (version mismatch?)"));
+  }
+  OptimizerLayout out;
+  for (const auto& b : r.buckets())
+    out.buckets.push_back({b.master_offset(), b.grad_offset(), b.param_offset()});
+  out.state_bytes = r.state_bytes();
+  out.control_bytes = r.control_bytes();
+  out.master_bytes = r.master_bytes();
+  out.moment_bytes = r.moment_bytes();
+  out.grad_bytes = r.grad_bytes();
+  out.param_bytes = r.param_bytes();
+  out.accum_bytes = r.accum_bytes();
+  return out;
+}
+
 absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->attached) return absl::FailedPreconditionError("attach to a job first");

@@ -1,9 +1,16 @@
 // trainstream._C: the Python binding of tsclient (client-cpp), the glue between torch and tsd.
 //
-// It exposes two classes and nothing else:
-//   * Client: connect, attach, detach, status, jobs, register_optimizer (the C++ tsd::Client).
+// It exposes three classes and the facts both sides of the C++/Python line must agree on:
+//   * Client: connect, attach, detach, status, jobs, alloc / map / free / list_regions,
+//     plan_optimizer (the daemon's dry run of a registration) and register_optimizer (the C++
+//     tsd::Client).
+//   * Region: a region of tsd memory mapped here, with byte views as torch tensors over the
+//     mapping (torch::from_blob, no copies). A region is freed only while no view is alive:
+//     the daemon zeroes freed memory, so a live view would silently read zeros.
 //   * Optimizer: the slots of a registered optimizer as torch tensors that alias the shared
 //     memory (torch::from_blob, no copies), and the hot-path calls (ready, wait, commit, state).
+//   * DTYPES (name -> bytes: the dtypes tsd's optimizer takes), PAGE_BYTES and
+//     control_page_bytes(groups, buckets), taken from the C++ headers, so Python keeps no copy.
 // Errors are absl::Status values; they cross into Python as trainstream's TsdError subclasses
 // (trainstream/errors.py picks the class from the status code), never as a bare RuntimeError.
 //
@@ -29,6 +36,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/control_page.h"
+#include "proto/wire.h"
 #include "tsd/client.h"
 #include "tsd/optimizer.h"
 
@@ -54,11 +63,22 @@ T Value(absl::StatusOr<T> v) {
   return std::move(*v);
 }
 
+// The one table of the dtypes tsd's optimizer takes: their names on the Python side (torch's) and
+// their enum on the C++ side; sizes come from tsd::DTypeBytes.
+struct DTypeName {
+  const char* name;
+  tsd::DType dtype;
+};
+constexpr DTypeName kDTypes[] = {
+    {"float32", tsd::DType::kF32}, {"bfloat16", tsd::DType::kBF16}, {"float16", tsd::DType::kF16}};
+
 tsd::DType DTypeOf(const std::string& name) {
-  if (name == "float32") return tsd::DType::kF32;
-  if (name == "bfloat16") return tsd::DType::kBF16;
-  if (name == "float16") return tsd::DType::kF16;
-  Throw(absl::InvalidArgumentError("dtype must be float32, bfloat16 or float16, not " + name));
+  std::string names;
+  for (const auto& d : kDTypes) {
+    if (name == d.name) return d.dtype;
+    names += names.empty() ? d.name : std::string(", ") + d.name;
+  }
+  Throw(absl::InvalidArgumentError("dtype must be one of " + names + ", not " + name));
 }
 
 at::ScalarType ScalarTypeOf(tsd::DType d) {
@@ -106,6 +126,85 @@ at::Tensor Alias(const HandlePtr& h, void* data, int64_t numel, at::ScalarType t
 }
 
 absl::Duration Seconds(double s) { return s <= 0 ? absl::InfiniteDuration() : absl::Seconds(s); }
+
+// ---- Regions ----------------------------------------------------------------------------------
+
+// A mapped region plus the count of torch storages viewing it. Each view holds a reference to the
+// region, so the mapping outlives every tensor over it; `free` refuses while views are alive.
+struct RegionHandle {
+  std::shared_ptr<tsd::Region> region;
+  std::shared_ptr<std::atomic<int64_t>> views = std::make_shared<std::atomic<int64_t>>(0);
+};
+using RegionPtr = std::shared_ptr<RegionHandle>;
+
+RegionPtr Wrap(std::shared_ptr<tsd::Region> r) {
+  auto h = std::make_shared<RegionHandle>();
+  h->region = std::move(r);
+  return h;
+}
+
+// A uint8 tensor over bytes [offset, offset + nbytes) of the region.
+at::Tensor RegionBytes(const RegionHandle& h, uint64_t offset, uint64_t nbytes) {
+  const tsd::Region& r = *h.region;
+  if (r.data() == nullptr) {
+    Throw(absl::FailedPreconditionError("region '" + r.name() +
+                                        "' was freed; allocate or map it again"));
+  }
+  if (offset > r.size() || nbytes > r.size() - offset) {
+    Throw(absl::OutOfRangeError("bytes [" + std::to_string(offset) + ", " + std::to_string(offset) +
+                                " + " + std::to_string(nbytes) + ") are outside region '" +
+                                r.name() + "' of " + std::to_string(r.size()) + " bytes"));
+  }
+  std::shared_ptr<tsd::Region> keep = h.region;
+  std::shared_ptr<std::atomic<int64_t>> views = h.views;
+  views->fetch_add(1);
+  return torch::from_blob(
+      static_cast<char*>(r.data()) + offset, {static_cast<int64_t>(nbytes)},
+      [keep, views](void*) mutable {
+        views->fetch_sub(1);
+        keep.reset();
+      },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
+
+py::dict RegionDict(const tsd::RegionDesc& r) {
+  py::dict d;
+  d["id"] = r.id;
+  d["name"] = r.name;
+  d["size"] = r.size;
+  d["locked"] = r.locked;
+  return d;
+}
+
+// The request of a registration (or of its dry run) from Python values. groups: list of dicts
+// {lr, beta1, beta2, eps, weight_decay}; buckets: list of (group, numel, grad_dtype, param_dtype)
+// with dtype names.
+tsd::OptimizerSpec SpecOf(
+    const std::vector<py::dict>& groups,
+    const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
+    const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
+    bool amsgrad, bool maximize) {
+  tsd::OptimizerSpec spec;
+  for (const auto& g : groups) {
+    tsd::GroupHyper h;
+    h.lr = g["lr"].cast<double>();
+    h.beta1 = g["beta1"].cast<double>();
+    h.beta2 = g["beta2"].cast<double>();
+    h.eps = g["eps"].cast<double>();
+    h.weight_decay = g["weight_decay"].cast<double>();
+    spec.groups.push_back(h);
+  }
+  for (const auto& [group, numel, gd, pd] : buckets) {
+    spec.buckets.push_back({group, numel, DTypeOf(gd), DTypeOf(pd)});
+  }
+  spec.moment_dtype = DTypeOf(moment_dtype);
+  spec.max_grad_norm = max_grad_norm;
+  spec.accumulate = accumulate;
+  spec.seed = seed;
+  spec.amsgrad = amsgrad;
+  spec.maximize = maximize;
+  return spec;
+}
 
 // ---- Doorbells rung from a CUDA stream --------------------------------------------------------
 
@@ -179,41 +278,53 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
   return out;
 }
 
-// groups: list of dicts {lr, beta1, beta2, eps, weight_decay}; buckets: list of
-// (group, numel, grad_dtype, param_dtype) with dtype names.
 HandlePtr RegisterOptimizer(
     const ClientPtr& client, const std::vector<py::dict>& groups,
     const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
     const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
     bool amsgrad, bool maximize) {
-  tsd::OptimizerSpec spec;
-  for (const auto& g : groups) {
-    tsd::GroupHyper h;
-    h.lr = g["lr"].cast<double>();
-    h.beta1 = g["beta1"].cast<double>();
-    h.beta2 = g["beta2"].cast<double>();
-    h.eps = g["eps"].cast<double>();
-    h.weight_decay = g["weight_decay"].cast<double>();
-    spec.groups.push_back(h);
-  }
+  const tsd::OptimizerSpec spec =
+      SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
   auto h = std::make_shared<OptimizerHandle>();
-  for (const auto& [group, numel, gd, pd] : buckets) {
-    spec.buckets.push_back({group, numel, DTypeOf(gd), DTypeOf(pd)});
-    h->grad_dtypes.push_back(DTypeOf(gd));
-    h->param_dtypes.push_back(DTypeOf(pd));
+  for (const auto& b : spec.buckets) {
+    h->grad_dtypes.push_back(b.grad_dtype);
+    h->param_dtypes.push_back(b.param_dtype);
   }
-  spec.moment_dtype = DTypeOf(moment_dtype);
-  spec.max_grad_norm = max_grad_norm;
-  spec.accumulate = accumulate;
-  spec.seed = seed;
-  spec.amsgrad = amsgrad;
-  spec.maximize = maximize;
   h->client = client;
   {
     py::gil_scoped_release release;
     h->opt = Value(client->RegisterOptimizer(spec));
   }
   return h;
+}
+
+// The daemon's dry run of a registration, as a dict: state_bytes, the per-region bytes and the
+// buckets' offsets.
+py::dict PlanOptimizer(
+    tsd::Client& client, const std::vector<py::dict>& groups,
+    const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
+    const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
+    bool amsgrad, bool maximize) {
+  const tsd::OptimizerSpec spec =
+      SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
+  tsd::OptimizerLayout l;
+  {
+    py::gil_scoped_release release;
+    l = Value(client.PlanOptimizer(spec));
+  }
+  py::dict d;
+  d["state_bytes"] = l.state_bytes;
+  d["control_bytes"] = l.control_bytes;
+  d["master_bytes"] = l.master_bytes;
+  d["moment_bytes"] = l.moment_bytes;
+  d["grad_bytes"] = l.grad_bytes;
+  d["param_bytes"] = l.param_bytes;
+  d["accum_bytes"] = l.accum_bytes;
+  py::list offsets;
+  for (const auto& b : l.buckets)
+    offsets.append(py::make_tuple(b.master_offset, b.grad_offset, b.param_offset));
+  d["buckets"] = offsets;
+  return d;
 }
 
 }  // namespace
@@ -231,6 +342,29 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetObject(cls.ptr(), cls(e.message, e.code).ptr());
     }
   });
+
+  py::dict dtypes;
+  for (const auto& d : kDTypes) dtypes[d.name] = tsd::DTypeBytes(d.dtype);
+  m.attr("DTYPES") = dtypes;
+  m.attr("PAGE_BYTES") = tsd::wire::kPageBytes;
+  m.def(
+      "control_page_bytes",
+      [](uint32_t groups, uint32_t buckets) {
+        return tsd::wire::ControlPageBytes(groups, buckets);
+      },
+      py::arg("groups"), py::arg("buckets"));
+
+  py::class_<RegionHandle, RegionPtr>(m, "Region")
+      .def_property_readonly("id", [](const RegionHandle& h) { return h.region->id(); })
+      .def_property_readonly("name", [](const RegionHandle& h) { return h.region->name(); })
+      .def_property_readonly("size", [](const RegionHandle& h) { return h.region->size(); })
+      .def_property_readonly("locked", [](const RegionHandle& h) { return h.region->locked(); })
+      .def_property_readonly("cuda_registered",
+                             [](const RegionHandle& h) { return h.region->cuda_registered(); })
+      .def_property_readonly("freed",
+                             [](const RegionHandle& h) { return h.region->data() == nullptr; })
+      .def_property_readonly("live_views", [](const RegionHandle& h) { return h.views->load(); })
+      .def("bytes", &RegionBytes, py::arg("offset"), py::arg("nbytes"));
 
   py::class_<tsd::Client, ClientPtr>(m, "Client")
       .def_static(
@@ -274,6 +408,57 @@ PYBIND11_MODULE(_C, m) {
              }
              return JobsList(j);
            })
+      .def(
+          "alloc",
+          [](tsd::Client& c, const std::string& name, uint64_t bytes) {
+            std::shared_ptr<tsd::Region> r;
+            {
+              py::gil_scoped_release release;
+              r = Value(c.Alloc(name, bytes));
+            }
+            return Wrap(std::move(r));
+          },
+          py::arg("name"), py::arg("bytes"))
+      .def(
+          "map",
+          [](tsd::Client& c, const std::string& name) {
+            std::shared_ptr<tsd::Region> r;
+            {
+              py::gil_scoped_release release;
+              r = Value(c.Map(name));
+            }
+            return Wrap(std::move(r));
+          },
+          py::arg("name"))
+      .def(
+          "free",
+          [](tsd::Client& c, const RegionHandle& h) {
+            const int64_t views = h.views->load();
+            if (views > 0) {
+              Throw(absl::FailedPreconditionError(
+                  "region '" + h.region->name() + "' still has " + std::to_string(views) +
+                  " tensor view(s) over its memory; drop them before freeing it (tsd zeroes freed "
+                  "memory, so they would read zeros)"));
+            }
+            py::gil_scoped_release release;
+            Check(c.Free(h.region));
+          },
+          py::arg("region"))
+      .def("list_regions",
+           [](tsd::Client& c) {
+             std::vector<tsd::RegionDesc> regions;
+             {
+               py::gil_scoped_release release;
+               regions = Value(c.ListRegions());
+             }
+             py::list out;
+             for (const auto& r : regions) out.append(RegionDict(r));
+             return out;
+           })
+      .def("plan_optimizer", &PlanOptimizer, py::arg("groups"), py::arg("buckets"),
+           py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
+           py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
+           py::arg("maximize") = false)
       .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,

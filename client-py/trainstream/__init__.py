@@ -5,17 +5,30 @@
         print(client.status())
     model, optimizer = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda")
 
-See docs/python.md.
+The package, by responsibility (docs/python.md):
+  client     connect(), Client, Region: a session with tsd and the host memory it lends
+  units      sizes ("8GiB") and dtypes, read as tsd reads them
+  planner    Budget, Demand, Plan, plan(): a budget in, a plan out (pure)
+  memory     HostArena: blocks of host memory over a few large tsd regions
+  paging     the activation pager (the weight pager comes next to it)
+  engine     Session: the per-step protocol with tsd
+  optim      TsdAdamW: the torch.optim.Optimizer facade
+  wiring     wrap(), plan_wrap(), unwrap(): a plan first, then applied
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from .client import Client, Job, Status, connect, parse_bytes
+from .client import Client, Job, OptimizerLayout, Region, RegionInfo, Status, connect
 from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, NotFound,
                      PermissionDenied, QuotaExceeded, SessionClosed, Timeout, TsdError)
-from .wrapper import TsdAdamW, unwrap, unwrap_session, wrap
+from .memory import HostArena
+from .optim import TsdAdamW
+from .planner import Budget, Plan
+from .units import format_bytes, parse_bytes
+from .wiring import plan_wrap, unwrap, unwrap_session, wrap
 
 __version__ = "0.5.0"
 
-__all__ = ["connect", "wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job", "parse_bytes", "TsdError", "DaemonUnavailable", "InvalidRequest",
-           "QuotaExceeded", "PermissionDenied", "NotFound", "AlreadyExists", "FailedPrecondition", "SessionClosed",
-           "Timeout"]
+__all__ = ["connect", "wrap", "plan_wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job",
+           "Region", "RegionInfo", "OptimizerLayout", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
+           "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "PermissionDenied", "NotFound",
+           "AlreadyExists", "FailedPrecondition", "SessionClosed", "Timeout"]

@@ -3,7 +3,9 @@ in place through a memfd, without copies of the whole file.
 
 Per bucket b the daemon writes "b<b>.master" (F32), "b<b>.exp_avg" and "b<b>.exp_avg_sq" (F32 or
 BF16, the registered moment dtype) and "b<b>.step" (I64, one element); LoadState wants exactly
-these tensors for exactly its layout."""
+these tensors for exactly its layout. `entry()` and `PARTS` are the one table of these names on
+the Python side (the daemon's is daemon/optimizer/job_optimizer_state.cc; the tests save and load
+through the daemon, so the two cannot drift apart unnoticed)."""
 import json
 import mmap
 import os
@@ -12,8 +14,19 @@ import struct
 import torch
 
 FORMAT = "tsd.optimizer.v1"
+# The entries of one bucket, in the order the daemon writes them.
+PARTS = ("master", "exp_avg", "exp_avg_sq", "step")
+# The metadata's name of each moment dtype.
+MOMENT_TAGS = {"float32": "F32", "bfloat16": "BF16"}
 _TO_TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+def entry(bucket, part):
+    """The name of one bucket's entry: entry(3, "exp_avg") == "b3.exp_avg"."""
+    if part not in PARTS:
+        raise ValueError(f"a state entry is one of {PARTS}, not {part!r}")
+    return f"b{bucket}.{part}"
 
 
 def new_file(name="trainstream-state"):

@@ -1,32 +1,17 @@
-"""`trainstream.connect()`: a session with the local tsd."""
+"""`trainstream.connect()`: a session with the local tsd, and the regions of host memory it lends."""
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
+
+import torch
 
 from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
 from .errors import FailedPrecondition
+from .units import Size, parse_bytes
 
-Size = Union[int, str, None]  # bytes, or e.g. "8GiB"
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_bytes(value: Size) -> int:
-    """Bytes from an int or a string such as "8GiB", "512MiB", "1.5G" (as tsd's settings read them)."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative: {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size: use bytes or e.g. '512MiB', '8GiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+__all__ = ["Client", "Status", "Job", "Region", "RegionInfo", "OptimizerLayout", "connect", "parse_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +43,109 @@ class Job:
     used_bytes: int
     quota_bytes: int
     regions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo:
+    """One region of the attached job, as `Client.regions()` lists it (not mapped)."""
+
+    id: int
+    name: str
+    size: int
+    locked: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerLayout:
+    """What registering an optimizer would allocate, from the daemon's dry run
+    (`Client.plan_optimizer`). Sizes are page-rounded as tsd charges them; `state_bytes` is their
+    sum, the moments counted twice (exp_avg and exp_avg_sq). `buckets`: each bucket's byte offsets
+    (master, grad, param) into "opt/master", "opt/grads" and "opt/params"."""
+
+    state_bytes: int
+    control_bytes: int
+    master_bytes: int
+    moment_bytes: int
+    grad_bytes: int
+    param_bytes: int
+    accum_bytes: int
+    buckets: tuple[tuple[int, int, int], ...]
+
+    def parts(self, moment_dtype: str) -> list[tuple[str, int]]:
+        """(what, bytes) of each region, for messages."""
+        out = [("fp32 master weights", self.master_bytes), (f"{moment_dtype} moments", 2 * self.moment_bytes),
+               ("gradient slots", self.grad_bytes), ("parameter slots", self.param_bytes),
+               ("control page", self.control_bytes)]
+        if self.accum_bytes:
+            out.append(("fp32 accumulator", self.accum_bytes))
+        return out
+
+
+class Region:
+    """A region of host memory lent by tsd and mapped into this process: charged to the job's
+    quota, shown by `tsctl jobs`, locked in RAM by the daemon, and registered with CUDA where a GPU
+    is present (`cuda_registered`: copies to and from the GPU then run at pinned speed).
+
+    `view(dtype, offset, numel)` returns a torch tensor over the mapping, without a copy. Free the
+    region with `Client.free(region)` once no view is left (tsd zeroes freed memory; a region with
+    live views is refused). A region nobody frees is released with the job."""
+
+    def __init__(self, handle: Any) -> None:
+        self._h = handle
+
+    @property
+    def name(self) -> str:
+        return str(self._h.name)
+
+    @property
+    def size(self) -> int:
+        """Bytes, page-rounded (what is charged and mapped)."""
+        return int(self._h.size)
+
+    @property
+    def id(self) -> int:
+        return int(self._h.id)
+
+    @property
+    def locked(self) -> bool:
+        """Resident and mlock()ed in the daemon."""
+        return bool(self._h.locked)
+
+    @property
+    def cuda_registered(self) -> bool:
+        """Registered with CUDA (cudaHostRegister) in this process."""
+        return bool(self._h.cuda_registered)
+
+    @property
+    def freed(self) -> bool:
+        return bool(self._h.freed)
+
+    @property
+    def live_views(self) -> int:
+        """Tensor storages over this region that are still alive."""
+        return int(self._h.live_views)
+
+    def view(self, dtype: torch.dtype = torch.uint8, offset: int = 0, numel: Optional[int] = None) -> torch.Tensor:
+        """A 1-D tensor of `dtype` over `numel` elements starting `offset` bytes into the region
+        (default: to its end), aliasing the mapping (no copy). `offset` must be a multiple of the
+        dtype's size."""
+        item = dtype.itemsize
+        if offset < 0 or offset % item:
+            raise ValueError(f"offset {offset} into region {self.name!r} must be >= 0 and a multiple of "
+                             f"{dtype}'s {item} bytes")
+        if numel is None:
+            numel = max(0, self.size - offset) // item
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, not {numel}")
+        if offset + numel * item > self.size:
+            raise ValueError(f"{numel} elements of {dtype} at byte {offset} are outside region {self.name!r} of "
+                             f"{self.size} bytes")
+        data = self._h.bytes(offset, numel * item)
+        return data if dtype == torch.uint8 else data.view(dtype)
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"{self.size} bytes{', CUDA-registered' if self.cuda_registered else ''}"
+        return f"<trainstream.Region {self.name!r} {state}>"
 
 
 class Client:
@@ -123,8 +211,39 @@ class Client:
         """The attached job's quota in bytes."""
         return self._c.quota_bytes
 
+    # ---- regions
+    def alloc(self, name: str, size: Size) -> Region:
+        """Allocates a region of the job (at least `size` bytes, page-rounded) and maps it. The
+        name is unique within the job while the region exists."""
+        return Region(self._c.alloc(name, parse_bytes(size)))
+
+    def map(self, name: str) -> Region:
+        """Maps an existing region of the job by name (e.g. one another session allocated)."""
+        return Region(self._c.map(name))
+
+    def free(self, region: Region) -> None:
+        """Frees a region in tsd and unmaps it here. Refused (FailedPrecondition) while tensor
+        views of it are alive: drop them first."""
+        self._c.free(region._h)
+
+    def regions(self) -> list[RegionInfo]:
+        """The regions of the attached job (its optimizer's among them)."""
+        return [RegionInfo(**r) for r in self._c.list_regions()]
+
     # ---- the optimizer engine (used by wrap())
-    def _register_optimizer(self, **spec):
+    def plan_optimizer(self, groups: Sequence[dict[str, float]], buckets: Sequence[tuple[int, int, str, str]],
+                       moment_dtype: str = "float32", max_grad_norm: float = 0.0, accumulate: bool = False,
+                       seed: int = 0, amsgrad: bool = False, maximize: bool = False) -> OptimizerLayout:
+        """The daemon's dry run of an optimizer registration: checks the request as registration
+        does and returns what it would allocate; allocates nothing and needs no job. `groups`:
+        dicts of lr, beta1, beta2, eps, weight_decay; `buckets`: (group, numel, grad dtype,
+        param dtype) with tsd's dtype names."""
+        d = self._c.plan_optimizer(list(groups), list(buckets), moment_dtype, max_grad_norm, accumulate, seed,
+                                   amsgrad, maximize)
+        offsets = tuple((int(m), int(g), int(p)) for m, g, p in d.pop("buckets"))
+        return OptimizerLayout(buckets=offsets, **{k: int(v) for k, v in d.items()})
+
+    def _register_optimizer(self, **spec: Any) -> Any:
         if not self._c.attached:
             raise FailedPrecondition("attach the client to a job before wrapping a model (connect(job=...))")
         handle = self._c.register_optimizer(**spec)

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "daemon/ops/version.h"
+#include "daemon/optimizer/job_optimizer.h"
 #include "proto/status_convert.h"
 
 namespace tsd {
@@ -81,6 +82,33 @@ grpc::Status TsdService::RegisterOptimizer(grpc::ServerContext*,
   auto r = registry_.RegisterOptimizer(*req);
   if (!r.ok()) return ToGrpc(r.status());
   *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
+// A dry run of registration: the same checks (JobOptimizer::Plan, against the same pool), nothing
+// allocated, no session needed.
+grpc::Status TsdService::PlanOptimizer(grpc::ServerContext*,
+                                       const v1::RegisterOptimizerRequest* req,
+                                       v1::PlanOptimizerResponse* resp) {
+  const RegistryOptions options = registry_.options();
+  if (options.pool == nullptr) {
+    return ToGrpc(absl::InternalError("this daemon runs without an optimizer engine"));
+  }
+  auto plan = JobOptimizer::Plan(*req, options.pool_bytes);
+  if (!plan.ok()) return ToGrpc(plan.status());
+  for (const auto& b : plan->buckets) {
+    auto* l = resp->add_buckets();
+    l->set_master_offset(b.master_offset);
+    l->set_grad_offset(b.grad_offset);
+    l->set_param_offset(b.param_offset);
+  }
+  resp->set_state_bytes(plan->total_bytes());
+  resp->set_control_bytes(plan->control_bytes);
+  resp->set_master_bytes(plan->master_bytes);
+  resp->set_moment_bytes(plan->moment_bytes);
+  resp->set_grad_bytes(plan->grad_bytes);
+  resp->set_param_bytes(plan->param_bytes);
+  resp->set_accum_bytes(plan->accum_bytes);
   return grpc::Status::OK;
 }
 

@@ -26,6 +26,8 @@ class TsdService final : public v1::Tsd::Service {
                         v1::ListJobsResponse*) override;
   grpc::Status RegisterOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest*,
                                  v1::RegisterOptimizerResponse*) override;
+  grpc::Status PlanOptimizer(grpc::ServerContext*, const v1::RegisterOptimizerRequest*,
+                             v1::PlanOptimizerResponse*) override;
 
  private:
   Registry& registry_;

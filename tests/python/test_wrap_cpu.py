@@ -223,7 +223,7 @@ def test_activation_offload_is_bit_identical(tsd):
 
 
 def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
-    from trainstream.activations import ActivationPager
+    from trainstream.paging.activations import ActivationPager
 
     torch.manual_seed(0)
     seq = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)) for _ in range(2)])
@@ -264,7 +264,7 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
 
 
 def test_activation_pager_keeps_strides_and_skips_sparse_views():
-    from trainstream.activations import ActivationPager
+    from trainstream.paging.activations import ActivationPager
 
     pager = ActivationPager(nn.Linear(1, 1), [], "cpu", min_bytes=1)
     base = torch.randn(64, 48)
@@ -436,23 +436,28 @@ def test_hyperparameters_changed_between_backward_and_step_are_reported(tsd):
 
 
 def test_check_memory_explains_and_moment_dtype_auto_falls_back_to_bf16(tsd):
-    from trainstream.wrapper import optimizer_bytes
     model = make_gpt(d=64, layers=4)
-    params = list(model.parameters())  # tied head: one tensor
-    numels = [p.numel() for p in params][::-1]
-    need32 = optimizer_bytes(numels, ["float32"] * len(numels), 1, "float32", False)
-    need16 = optimizer_bytes(numels, ["float32"] * len(numels), 1, "bfloat16", False)
+    # What tsd would charge, from the daemon's dry run of the registration (nothing allocated).
+    need32 = trainstream.plan_wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                   moment_dtype="float32").state_bytes
+    plan16 = trainstream.plan_wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                   moment_dtype="bfloat16")
+    need16 = plan16.state_bytes
+    assert need16 < need32 and plan16.moment_dtype == "bfloat16"
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert c.status().jobs == 0  # plan_wrap() created no job
     with pytest.raises(trainstream.QuotaExceeded) as e:
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
                          quota=need16 - 4096)
     msg = str(e.value)
     assert "needs" in msg and "available" in msg and "pool" in msg and isinstance(e.value, MemoryError)
+    assert "fp32 master weights" in msg and "moments" in msg  # each part named with its size
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
                                   quota=(need16 + need32) // 2)
     try:
         assert opt.moment_dtype == "bfloat16"
         session = trainstream.unwrap_session(model)
-        assert session.state_bytes == need16  # the same arithmetic as the daemon's
+        assert session.state_bytes == need16  # the dry run's figure is what the registration charged
         train(model, opt, batches(2), 2)
     finally:
         trainstream.unwrap(model)
@@ -485,12 +490,15 @@ def test_unwrap_releases_the_job_and_keeps_the_weights(tsd):
         assert all(p.grad is not None for p in model.parameters())
 
 
-def test_offload_auto_switches_to_stock_adamw_when_it_fits(tsd, monkeypatch):
+# A budget that gives the CPU device memory to spare: offload="auto" then switches on the CPU too.
+ROOMY = trainstream.Budget(vram_usable=1 << 40)
+
+
+def test_offload_auto_switches_to_stock_adamw_when_it_fits(tsd):
     """The switch itself (state moved out of the daemon into torch.optim.AdamW, the job released),
-    forced on the CPU: the run must still equal stock AdamW throughout."""
-    import trainstream.wrapper as w
-    monkeypatch.setattr(w, "_stock_fits", lambda session, opt: (True, "forced by the test"))
-    ref, opt_ref, mine, opt, a, b = run_both(tsd, 8, 2, 0.5, offload="auto", job="auto-switch")
+    on the CPU with a budget that says stock AdamW fits: the run must still equal stock AdamW
+    throughout."""
+    ref, opt_ref, mine, opt, a, b = run_both(tsd, 8, 2, 0.5, offload="auto", job="auto-switch", budget=ROOMY)
     assert not opt.offloading
     assert max_diff(ref, mine) <= 1e-6
     assert b == pytest.approx(a, rel=1e-5)
@@ -498,34 +506,40 @@ def test_offload_auto_switches_to_stock_adamw_when_it_fits(tsd, monkeypatch):
         assert "auto-switch" not in [j.name for j in c.jobs()]
 
 
-def test_offload_auto_switch_gives_param_dtype_models_their_fp32_weights_back(tsd, monkeypatch):
+def test_offload_auto_switch_gives_param_dtype_models_their_fp32_weights_back(tsd):
     """With param_dtype=bf16, the switch to stock AdamW restores the fp32 parameters from the
-    masters, so stock AdamW steps the model in fp32, as the user made it."""
-    import trainstream.wrapper as w
-    monkeypatch.setattr(w, "_stock_fits", lambda session, opt: (True, "forced by the test"))
-    restored = {}
-    real_restore = w.Session.restore_dtypes
-
-    def restore(session, per_bucket):
-        restored.update({id(session.params[b].param): m.clone() for b, (m, _, _, _) in per_bucket.items()})
-        real_restore(session, per_bucket)
-
-    monkeypatch.setattr(w.Session, "restore_dtypes", restore)
-    model = make_gpt(0)
-    opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
-    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload="auto",
-                                  param_dtype=torch.bfloat16, activation_offload=True)
-    session = trainstream.unwrap_session(model)
-    session.pager.min_bytes = 1024
+    masters, so stock AdamW steps the model in fp32, as the user made it. The masters to expect
+    come from the same run without the switch (offload=True)."""
     data = batches(4)
+
+    def start(**kw):
+        model = make_gpt(0)
+        opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_dtype=torch.bfloat16,
+                                      activation_offload=True, **kw)
+        trainstream.unwrap_session(model).pager.min_bytes = 1024
+        return model, opt
+
+    kept, kept_opt = start(offload=True)
+    try:
+        train(kept, kept_opt, data[:2], 2)
+        sd = kept_opt.state_dict()
+        order = [p for g in kept_opt.param_groups for p in g["params"]]
+        name_of = {id(p): n for n, p in kept.named_parameters()}
+        masters = {name_of[id(p)]: sd["state"][i]["master"] for i, p in enumerate(order)}
+    finally:
+        trainstream.unwrap(kept)
+
+    model, opt = start(offload="auto", budget=ROOMY)
+    session = trainstream.unwrap_session(model)
     train(model, opt, data[:2], 2)  # the switch comes at the end of the second step
     assert not opt.offloading
+    assert any("switched to stock" in e for e in session.events)
     # Activation paging stays on after the switch: the fit check measured the peak with it.
     assert session.pager is not None and session.pager.handles
     paged_before = session.pager.paged_bytes
-    params = list(model.parameters())
-    assert all(p.dtype == torch.float32 for p in params)
-    assert all(torch.equal(p.detach().reshape(-1), restored[id(p)]) for p in params)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(torch.equal(p.detach(), masters[n]) for n, p in model.named_parameters())
     losses = train(model, opt, data[2:], 2)  # stock AdamW on the fp32 parameters from here
     assert all(math.isfinite(x) for x in losses)
     assert all(p.dtype == torch.float32 for p in model.parameters())

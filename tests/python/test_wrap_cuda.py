@@ -88,8 +88,9 @@ def test_cuda_gradients_leave_vram(tsd):
 
 
 def test_cuda_activation_offload_is_bit_identical_and_lowers_the_peak(tsd):
-    """Paging the blocks' activations to pinned host memory changes no bit of the result (losses,
-    parameters) and lowers peak VRAM; param_dtype=bf16 with autocast, as the benchmark runs."""
+    """Paging the blocks' activations to host memory lent by tsd (CUDA-registered regions of the
+    job) changes no bit of the result (losses, parameters) and lowers peak VRAM; param_dtype=bf16
+    with autocast, as the benchmark runs."""
     data = batches(5, batch=256, device="cuda")
     out = {}
     for act in (False, True):
@@ -97,16 +98,26 @@ def test_cuda_activation_offload_is_bit_identical_and_lowers_the_peak(tsd):
         model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
                                       socket=tsd.socket, offload=True, param_dtype=torch.bfloat16,
                                       activation_offload=act)
-        pager = trainstream.unwrap_session(model).pager
+        session = trainstream.unwrap_session(model)
+        pager = session.pager
         try:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                losses = train(model, opt, data, 5)
+                losses = train(model, opt, data[:1], 1)
+                grows = session.arena.grows if act else 0
+                losses += train(model, opt, data[1:], 4)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
             paged = pager.paged_bytes if pager is not None else 0
             params = [p.detach().clone() for p in model.parameters()]  # bf16 working copies
+            if act:
+                arena = session.arena
+                assert arena.regions and all(r.cuda_registered for r in arena.regions)
+                assert arena.grows == grows  # the first step's blocks are reused by the next four
+                with trainstream.connect(socket=tsd.socket) as c:
+                    job = next(j for j in c.jobs() if j.name == session.client.job)
+                assert job.used_bytes == session.state_bytes + arena.capacity_bytes
         finally:
             trainstream.unwrap(model)
         out[act] = (losses, params, peak, paged)

@@ -90,6 +90,19 @@ class Region final {
   bool cuda_registered_ = false;
 };
 
+// What registering an optimizer would allocate, from `Client::PlanOptimizer` (a dry run). Sizes
+// are page-rounded, as the daemon charges them; `state_bytes` is their sum, with the moments
+// counted twice (exp_avg and exp_avg_sq).
+struct OptimizerLayout {
+  struct Bucket {
+    uint64_t master_offset = 0, grad_offset = 0, param_offset = 0;
+  };
+  std::vector<Bucket> buckets;
+  uint64_t state_bytes = 0;
+  uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
+           accum_bytes = 0;
+};
+
 class Client final {
  public:
   // Connects to tsd at `socket_path`; empty means $TSD_SOCKET, then the default
@@ -116,6 +129,9 @@ class Client final {
   // Sets up the job's optimizer engine in the daemon and maps its slots (see tsd/optimizer.h).
   // The Optimizer must not outlive this Client.
   absl::StatusOr<std::unique_ptr<Optimizer>> RegisterOptimizer(const OptimizerSpec& spec);
+  // A dry run of RegisterOptimizer: the daemon checks `spec` as registration does and returns
+  // the layout and the bytes it would charge, allocating nothing. Needs no session.
+  absl::StatusOr<OptimizerLayout> PlanOptimizer(const OptimizerSpec& spec);
   absl::StatusOr<std::vector<JobStatus>> Jobs();
 
   const std::string& socket_path() const { return socket_path_; }

@@ -4,30 +4,38 @@ come back during backward (`wrap(activation_offload=...)`).
 Autograd keeps, for every operation of the forward pass, the tensors its backward needs ("saved
 tensors"); for a transformer these are most of the training memory that is not weights. While a
 paged block runs its forward, `torch.autograd.graph.saved_tensors_hooks` hands each saved tensor
-to `ActivationPager.pack`, which starts a copy into pinned host memory on a side stream and
-returns a `_Page` in its place, so the GPU memory is freed as soon as the forward no longer uses
-the tensor and the copy is done. In backward, `unpack` copies it back on the current stream, right
-before the operation that needs it (the first blocks are paged: their backward runs last, when
-the optimizer, not the GPU, sets the step's pace).
+to `ActivationPager.pack`, which starts a copy into a host block on a side stream and returns a
+`_Page` in its place, so the GPU memory is freed as soon as the forward no longer uses the tensor
+and the copy is done. In backward, `unpack` copies it back on the current stream, right before the
+operation that needs it (the first blocks are paged: their backward runs last, when the
+optimizer, not the GPU, sets the step's pace).
+
+Host blocks come from `host` (`trainstream.memory`): under `wrap()`, the session's `HostArena`,
+whose regions tsd lends (CUDA-registered, charged to the job's quota, shown by `tsctl`); a pager
+made on its own uses `PinnedHost` (torch's pinned allocator). A page gives its block back when
+autograd drops it (after backward, or with the graph), once the last copy from it has completed.
 
 Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
 unpaged one does. Kept on the device: weights (the parameters' own storage, and under autocast
 their cast copies), tensors under `min_bytes`, views that do not cover their memory densely, and
 anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
-On `device="cpu"` the page is a plain copy: no memory is saved, but the path runs and is tested.
+On `device="cpu"` the page is a plain copy: no memory is saved, but the path (host blocks
+included) runs and is tested.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ..memory import HostBlock, HostMemory, PinnedHost
+
 _MIN_BYTES = 1 << 20
 
 
-def _dense(t):
+def _dense(t: torch.Tensor) -> bool:
     """Whether `t` covers its memory exactly, in some order (contiguous, or e.g. a transposed
     result of an elementwise op): then a copy with the same strides is one flat memcpy."""
     if t.is_contiguous():
@@ -42,16 +50,25 @@ def _dense(t):
 
 
 class _Page:
-    """One saved tensor in host memory: the copy, the event that marks it complete, and what it
-    takes to rebuild the tensor on the device."""
+    """One saved tensor in host memory: its block, the copy, the event of the last copy that
+    touched the block, and what it takes to rebuild the tensor on the device. The block goes back
+    to its allocator when autograd drops the page."""
 
-    __slots__ = ("host", "event", "size", "stride", "dtype", "device", "uses", "cached")
+    __slots__ = ("block", "host", "event", "size", "stride", "dtype", "device", "uses", "cached")
 
-    def __init__(self, host, event, t):
-        self.host, self.event = host, event
+    def __init__(self, block: HostBlock, host: torch.Tensor, event: Optional[torch.cuda.Event], t: torch.Tensor) -> None:
+        self.block: Optional[HostBlock] = block
+        self.host: Optional[torch.Tensor] = host
+        self.event: Optional[torch.cuda.Event] = event
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.uses = 1        # operations that saved this tensor (unpacks to expect)
-        self.cached = None   # the tensor back on the device, while more unpacks are expected
+        self.cached: Optional[torch.Tensor] = None  # back on the device, while more unpacks are expected
+
+    def __del__(self) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            self.host = None
+            block.release(after=self.event)
 
 
 def find_blocks(model: nn.Module) -> tuple[Optional[str], Optional[nn.ModuleList]]:
@@ -90,15 +107,17 @@ def choose_blocks(option: Union[bool, float, Sequence[int]], count: int) -> list
 class ActivationPager:
     """Pages the saved tensors of `blocks` (modules) to host memory; see the module docstring.
     `install()` registers the module hooks, `remove()` takes them away. `paged_bytes` counts the
-    bytes paged out since the last `reset_stats()`."""
+    bytes paged out since the last `reset_stats()`. `host` is where the pages go (default:
+    torch's pinned memory); it may be replaced between steps."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
-                 min_bytes: int = _MIN_BYTES) -> None:
+                 min_bytes: int = _MIN_BYTES, host: Optional[HostMemory] = None) -> None:
         self.model = model
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.min_bytes = int(min_bytes)
+        self.host: HostMemory = host if host is not None else PinnedHost(pin=self.cuda)
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         # The saved_tensors_hooks contexts of blocks running forward (None under no_grad).
@@ -129,7 +148,7 @@ class ActivationPager:
     def reset_stats(self) -> None:
         self.paged_bytes = self.paged_tensors = 0
 
-    def _enter(self, module, args):
+    def _enter(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             self.hook_ctx.append(None)
             return
@@ -140,7 +159,7 @@ class ActivationPager:
         ctx.__enter__()
         self.hook_ctx.append(ctx)
 
-    def _exit(self, module, args, output):
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.hook_ctx.pop() if self.hook_ctx else None
         if ctx is not None:
             ctx.__exit__(None, None, None)
@@ -148,7 +167,7 @@ class ActivationPager:
             self.current.clear()  # the block's tensors may be freed now (once their copies are done)
 
     # ---- saved tensors
-    def _keep(self, t):
+    def _keep(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
             return True
         if t.numel() * t.element_size() < self.min_bytes or not _dense(t):
@@ -159,7 +178,7 @@ class ActivationPager:
             return True  # autocast's cast copy of a weight
         return False
 
-    def pack(self, t):
+    def pack(self, t: torch.Tensor) -> Any:
         if self._keep(t):
             return t
         key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride())
@@ -167,35 +186,42 @@ class ActivationPager:
         if hit is not None:
             hit[1].uses += 1
             return hit[1]
+        nbytes = t.numel() * t.element_size()
+        block = self.host.alloc(nbytes)  # may raise QuotaExceeded: tsd cannot lend more
+        host = block.view(t.dtype, t.size(), t.stride())  # t is dense: the same strides cover nbytes
         if self.cuda:
             stream = self.stream
+            assert stream is not None
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # its memory is reused only after the copy
                 event = torch.cuda.Event()
                 event.record(stream)
         else:
-            host = t.detach().clone()
+            host.copy_(t.detach())
             event = None
-        page = _Page(host, event, t)
+        page = _Page(block, host, event, t)
         self.current[key] = (t, page)
         self.paged_bytes += t.numel() * t.element_size()
         self.paged_tensors += 1
         return page
 
-    def unpack(self, page):
+    def unpack(self, page: Any) -> torch.Tensor:
         if not isinstance(page, _Page):
             return page
         page.uses -= 1
         out = page.cached
         if out is None:
+            assert page.host is not None  # dropped only with the page
             if self.cuda:
+                assert page.event is not None
                 stream = torch.cuda.current_stream(page.device)
                 stream.wait_event(page.event)
                 out = torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=page.device)
-                out.copy_(page.host, non_blocking=True)  # the host block stays allocated until the copy is done
+                out.copy_(page.host, non_blocking=True)
+                page.event = torch.cuda.Event()  # the block is given back only after this copy
+                page.event.record(stream)
             else:
                 out = page.host.clone()
         # One copy back serves every operation that saved the tensor; the last one lets it go.

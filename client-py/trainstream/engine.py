@@ -1,0 +1,294 @@
+"""The per-step protocol with tsd: a wrapped model's `Session`.
+
+How a step flows (docs/python.md has the user's view):
+
+* `wrap()` registers every trainable parameter with the daemon as its own bucket, in reverse
+  order of registration (last layers first: backward produces them first). One bucket per tensor
+  keeps torch's semantics exactly: a parameter that gets no gradient in a step is not delivered,
+  so its moments and step count stay untouched, as in torch.optim.AdamW; and the daemon still
+  splits large tensors across its threads. The fp32 master weights are initialised from the
+  parameters.
+* Backward: a post-accumulate-grad hook (`Session.on_grad`) copies each gradient into its
+  bucket's grad slot (on CUDA: D2H on a side stream into the pinned slot, and the doorbell is
+  rung from that stream once the copy is done), rings the bucket's doorbell, and frees the
+  gradient. The daemon updates the bucket while backward goes on.
+* `step()` (`Session.finish_step`): waits for the buckets (with `max_grad_norm`, commits the step
+  first: the daemon clips by the global norm) and copies the updated parameters back into the
+  model (H2D on CUDA).
+
+Hyperparameters come from `param_groups` (so LR schedulers work). Without clipping, updates run
+during backward, so the values are taken at the step's first gradient; `finish_step()` checks
+that they did not change in between. With clipping, they are written at `step()`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from . import _state
+from .client import Client
+from .errors import TsdError, error_class
+from .memory import HostArena, PinnedHost
+from .paging.activations import ActivationPager
+from .planner import Budget
+
+# One bucket's optimizer state as flat tensors: (fp32 master, exp_avg, exp_avg_sq, step).
+BucketState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+class ParamSlots:
+    """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
+
+    __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook",
+                 "orig_dtype")
+
+    def __init__(self, param: torch.nn.Parameter, bucket: int, group: int, index: int) -> None:
+        self.param, self.bucket, self.group, self.index = param, bucket, group, index
+        # 1-D tensors aliasing the bucket's slots in tsd's memory (set by wrap(), dropped at release).
+        self.master: Any = None
+        self.grad_slot: Any = None
+        self.param_slot: Any = None
+        self.hook: Optional[torch.utils.hooks.RemovableHandle] = None
+        self.version = -1
+        self.orig_dtype = param.dtype  # before param_dtype= cast it (restored by unwrap / the switch to stock)
+
+
+class Session:
+    """One wrapped model's link to tsd: the client, the registered optimizer, the hooks, the
+    host arena the activation pager draws from, and the per-step bookkeeping.
+    `trainstream.unwrap_session(model)` returns it. `budget` is what the caller passed to wrap()
+    (its None fields are measured when needed)."""
+
+    def __init__(self, device: Union[str, torch.device], client: Client, owns_client: bool, options: dict[str, Any],
+                 budget: Optional[Budget] = None) -> None:
+        self.budget = budget if budget is not None else Budget()
+        self.arena: Optional[HostArena] = None  # with activation_offload=: host memory lent by tsd
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.client: Optional[Client] = client
+        self.owns_client = owns_client
+        self.max_grad_norm = float(options["max_grad_norm"] or 0.0)
+        self.accumulation_steps = int(options["accumulation_steps"])
+        self.offload = options["offload"]
+        self.param_dtype = options.get("param_dtype")
+        self.pager: Optional[ActivationPager] = None  # with activation_offload=
+        self.moment_dtype = "float32"  # set by wrap()
+        self.state_bytes = 0
+        self.events: list[str] = []  # human-readable decisions, for logs and tests
+        self.handle: Any = None  # the extension's Optimizer
+        self.params: list[ParamSlots] = []      # by bucket
+        self.by_param: dict[int, ParamSlots] = {}  # id(param) -> its slots
+        self.closed = False
+        self.offloading = True
+        # Per-step state.
+        self.counts: dict[int, int] = {}  # bucket -> gradients delivered in this step
+        self.pending: set[int] = set()    # buckets with non-final deliveries in this step
+        self.finaled: set[int] = set()    # buckets with a final delivery in this step
+        self.hyper: Optional[list[tuple[float, ...]]] = None  # hyperparameters written for this step, per group
+        self.steps = 0            # optimizer steps applied
+        self.step_times: list[float] = []
+        self.side_stream: Any = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    # ---- hyperparameters
+    def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
+        out = []
+        for g in optimizer.param_groups:
+            b1, b2 = g["betas"]
+            out.append(tuple(float(x) for x in (g["lr"], b1, b2, g["eps"], g["weight_decay"])))
+        return out
+
+    def write_hyper(self, optimizer: torch.optim.Optimizer) -> None:
+        self.hyper = self.group_hyper(optimizer)
+        for gi, h in enumerate(self.hyper):
+            self.handle.set_group(gi, *h)
+
+    # ---- the gradient hook
+    def on_grad(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
+        grad = p.grad
+        if grad is None or not self.offloading:
+            return
+        if self.closed:
+            raise TsdError("this model was unwrapped (or its optimizer failed); wrap it again to train it")
+        ps = self.by_param[id(p)]
+        b = ps.bucket
+        n = self.counts.get(b, 0) + 1
+        if b in self.finaled:
+            raise RuntimeError(
+                f"parameter {ps.index} received gradient number {n} before optimizer.step(), with "
+                f"accumulation_steps={self.accumulation_steps}: tsd already took its last gradient of this step. For "
+                f"gradient accumulation over N backward passes per step() pass accumulation_steps=N to trainstream.wrap()")
+        final = n == self.accumulation_steps
+        first = n == 1
+        if first and p._version != ps.version:
+            self.sync_master(ps)  # the parameter was changed outside the optimizer (e.g. load_state_dict)
+        if final and self.hyper is None:
+            self.write_hyper(optimizer)
+        self.deliver(ps, grad, first, final)
+        p.grad = None
+        self.counts[b] = n
+        if final:
+            self.pending.discard(b)
+            self.finaled.add(b)
+        else:
+            self.pending.add(b)
+
+    def deliver(self, ps: ParamSlots, grad: torch.Tensor, first: bool, final: bool) -> None:
+        b = ps.bucket
+        shape = ps.param.shape
+        if not self.cuda:
+            if not first:
+                self.handle.wait(b)
+            ps.grad_slot.view(shape).copy_(grad)
+            self.handle.ready(b, first, final)
+            return
+        stream = self.side_stream
+        if not first:
+            # The bucket's previous delivery (an earlier micro-batch) must be processed before its
+            # slot is overwritten; its doorbell is rung from the stream, so drain that first.
+            stream.synchronize()
+            self.handle.wait(b)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            ps.grad_slot.view(shape).copy_(grad, non_blocking=True)
+            grad.record_stream(stream)
+            self.handle.ready_on_stream(stream.cuda_stream, b, first, final)
+
+    def sync_master(self, ps: ParamSlots) -> None:
+        ps.master.view(ps.param.shape).copy_(ps.param.detach())
+        ps.version = ps.param._version
+
+    def restore_dtypes(self, per_bucket: dict[int, BucketState]) -> None:
+        """Gives parameters that param_dtype= cast back their own dtype, with the values of their
+        fp32 masters (not the rounded working copies)."""
+        for b, (master, _m, _v, _step) in per_bucket.items():
+            ps = self.params[b]
+            p = ps.param
+            if p.dtype != ps.orig_dtype:
+                p.data = master.view(p.shape).to(device=p.device, dtype=ps.orig_dtype)
+
+    def raise_async(self) -> None:
+        err = self.handle.take_async_error() if self.handle is not None else None
+        if err is not None:
+            code, msg = err
+            raise error_class(code)(msg, code)
+
+    # ---- the end of a step
+    def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.cuda:
+            self.side_stream.synchronize()  # every doorbell of this step has been rung
+        self.raise_async()
+        h = self.handle
+        if self.pending:
+            # Parameters that got fewer than accumulation_steps gradients in this step: close their
+            # accumulation with a zero final delivery (adding zeros is exact).
+            if self.hyper is None:
+                self.write_hyper(optimizer)
+            for b in sorted(self.pending):
+                h.wait(b)
+                self.params[b].grad_slot.zero_()
+                h.ready(b, False, True)
+                self.finaled.add(b)
+            self.pending.clear()
+        changed = None
+        if self.max_grad_norm > 0:
+            if self.finaled:
+                self.write_hyper(optimizer)  # the daemon reads them at the commit
+                h.commit()
+        elif self.hyper is not None and self.group_hyper(optimizer) != self.hyper:
+            changed = (self.hyper, self.group_hyper(optimizer))
+        for b in sorted(self.finaled):
+            ps = self.params[b]
+            h.wait(b)
+            p = ps.param
+            with torch.no_grad():
+                p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
+            ps.version = p._version
+        self.finaled.clear()
+        self.counts.clear()
+        self.hyper = None
+        self.steps += 1
+        if changed is not None:
+            was, now = changed
+            g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)
+            raise RuntimeError(
+                f"param_groups[{g}] changed between backward and step() (lr, betas, eps, weight_decay were {was[g]}, "
+                f"now {now[g]}): tsd applied this step's update while backward ran, with the values at the step's "
+                f"first gradient. Change hyperparameters before backward (LR schedulers do: call scheduler.step() "
+                f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
+
+    def idle(self) -> None:
+        """Waits until no delivery is in flight (between steps)."""
+        if self.cuda:
+            self.side_stream.synchronize()
+        self.raise_async()
+        if self.handle is not None:
+            self.handle.wait_all()
+
+    # ---- state
+    def read_state(self) -> dict[int, BucketState]:
+        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, as flat tensors."""
+        self.idle()
+        fd = _state.new_file()
+        try:
+            self.handle.save_state(fd)
+            tensors, _ = _state.read(fd)
+        finally:
+            os.close(fd)
+        e = _state.entry
+        return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
+                    int(tensors[e(b, "step")][0])) for b in range(len(self.params))}
+
+    def write_state(self, per_bucket: dict[int, BucketState], moment_dtype: str) -> None:
+        """Loads {bucket: (master, exp_avg, exp_avg_sq, step)} into the daemon (every bucket)."""
+        self.idle()
+        mdt = torch.float32 if moment_dtype == "float32" else torch.bfloat16
+        tensors = {}
+        e = _state.entry
+        for b, (master, m, v, step) in sorted(per_bucket.items()):
+            tensors[e(b, "master")] = master.reshape(-1).to(torch.float32)
+            tensors[e(b, "exp_avg")] = m.reshape(-1).to(mdt)
+            tensors[e(b, "exp_avg_sq")] = v.reshape(-1).to(mdt)
+            tensors[e(b, "step")] = torch.tensor([int(step)], dtype=torch.int64)
+        meta = {"format": _state.FORMAT, "buckets": str(len(per_bucket)),
+                "moment_dtype": _state.MOMENT_TAGS[moment_dtype], "committed": "0"}
+        fd = _state.new_file()
+        try:
+            _state.write(fd, tensors, meta)
+            self.handle.load_state(fd)
+        finally:
+            os.close(fd)
+        for b in per_bucket:
+            ps = self.params[b]
+            ps.version = ps.param._version
+
+    def release(self, keep_pager: bool = False) -> None:
+        """Removes the hooks and gives the job's memory back (when this session owns the client).
+        `keep_pager`: activation paging stays on (the switch to stock AdamW: the VRAM it measured
+        was with paging), its pages from torch's pinned memory from then on (the job is released)."""
+        for ps in self.params:
+            if ps.hook is not None:
+                ps.hook.remove()
+                ps.hook = None
+        if self.pager is not None:
+            if keep_pager:
+                self.pager.host = PinnedHost(pin=self.cuda)
+            else:
+                self.pager.remove()
+                self.pager = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.offloading = False
+        for ps in self.params:
+            ps.master = ps.grad_slot = ps.param_slot = None
+        self.handle = None
+        if self.owns_client and self.client is not None:
+            try:
+                self.client.close()
+            except TsdError:
+                pass  # the daemon is gone; so is the job
+        self.client = None
+
+

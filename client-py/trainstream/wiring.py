@@ -1,0 +1,337 @@
+"""`trainstream.wrap()`: the wiring. It first computes a plan without side effects, then applies it.
+
+1. Check the options, the optimizer and the model (`_prepare`): nothing touched yet.
+2. Plan (`_plan`): connect to tsd (no job yet), measure the budget (`planner`: the machine's VRAM
+   and RAM, tsd's pool and the quota the job has or would get) unless one is passed in, ask the
+   daemon for the optimizer's layout (`Client.plan_optimizer`, a dry run of the registration, for
+   fp32 and bf16 moments), and let `planner.plan()` pick the moment dtype or refuse what cannot
+   fit. `plan_wrap()` stops here and returns the plan.
+3. Apply: attach the job, register the optimizer (`engine.Session` drives it from then on), cast
+   working copies (`param_dtype=`), hook the gradients, and page activations into a host arena
+   of the job (`memory.HostArena`, `paging.activations`).
+
+This module is `wiring`, not `wrap`: a submodule named `wrap` would be shadowed by (and shadow)
+the function `trainstream.wrap`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import socket
+import warnings
+import weakref
+from typing import Any, Optional, Union
+
+import torch
+
+from . import planner
+from .client import Client
+from .engine import ParamSlots, Session
+from .errors import InvalidRequest, TsdError
+from .memory import HostArena
+from .optim import TsdAdamW
+from .paging.activations import ActivationPager, choose_blocks, find_blocks
+from .planner import Budget, Demand, Plan
+from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
+
+__all__ = ["wrap", "unwrap", "unwrap_session", "plan_wrap"]
+
+_jobs = itertools.count()
+
+# wrap()'s options and their defaults (TrainStream's names, then tsd's own).
+OPTIONS: dict[str, Any] = {
+    "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
+    "param_offload": False, "activation_offload": False, "quantize": None,
+    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """What steps 1 made of the arguments: checked options, the device, the buckets (trainable
+    parameters, last registered first) and their dtypes, the blocks to page."""
+
+    opts: dict[str, Any]
+    moment_dtype: str                 # "auto", "float32" or "bfloat16"
+    device: torch.device
+    buckets: list[tuple[torch.nn.Parameter, int, int]]  # (param, group, index)
+    dtypes: list[str]                 # tsd's name of each bucket's working dtype
+    work: Optional[torch.dtype]       # param_dtype=
+    groups: list[dict[str, float]]
+    amsgrad: bool
+    maximize: bool
+    paged_blocks: Optional[tuple[Optional[str], torch.nn.ModuleList, list[int]]]
+
+    @property
+    def accumulate(self) -> bool:
+        return int(self.opts["accumulation_steps"]) > 1
+
+    def request(self, moment_dtype: str) -> dict[str, Any]:
+        """The registration request (also the dry run's)."""
+        return dict(groups=self.groups,
+                    buckets=[(gi, p.numel(), d, d) for (p, gi, _), d in zip(self.buckets, self.dtypes)],
+                    moment_dtype=moment_dtype, max_grad_norm=float(self.opts["max_grad_norm"] or 0.0),
+                    accumulate=self.accumulate, seed=int(self.opts["seed"]), amsgrad=self.amsgrad,
+                    maximize=self.maximize)
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise TypeError(f"wrap() got unknown options {sorted(unknown)}; it takes {sorted(OPTIONS)}")
+    out = dict(OPTIONS, **options)
+    if out["param_offload"] not in (False, None, "auto"):
+        raise NotImplementedError(f"param_offload={out['param_offload']!r} is not implemented by tsd yet: the weights "
+                                  f"stay on the GPU (param_dtype=torch.bfloat16 halves them; their fp32 masters live in "
+                                  f"tsd); the optimizer and, with activation_offload, activations are offloaded")
+    if out["quantize"] not in (None, "none"):
+        raise NotImplementedError("quantize= is not implemented by tsd yet")
+    if out["offload"] not in (True, "auto"):
+        raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
+    if out["param_dtype"] is not None:
+        out["param_dtype"] = getattr(torch, tsd_dtype(out["param_dtype"], "param_dtype"))
+    if int(out["accumulation_steps"]) < 1:
+        raise ValueError("accumulation_steps must be at least 1")
+    mgn = out["max_grad_norm"]
+    if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
+        raise ValueError("max_grad_norm must be a finite number >= 0")
+    parse_bytes(out["quota"])  # a bad size is refused before anything happens
+    return out
+
+
+def _collect(optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, int, int]]:
+    """The trainable parameters by group, each unique tensor once (tied weights)."""
+    seen: set[int] = set()
+    out = []
+    index = 0
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            if id(p) not in seen and p.requires_grad:
+                if p.dtype not in TSD_DTYPES:
+                    raise TypeError(f"parameter {index} is {p.dtype}; tsd updates "
+                                    f"{', '.join(str(d) for d in TSD_DTYPES)} parameters")
+                out.append((p, gi, index))
+            seen.add(id(p))
+            index += 1
+    return out
+
+
+def _hyper(g: dict[str, Any]) -> dict[str, float]:
+    b1, b2 = g["betas"]
+    return {"lr": float(g["lr"]), "beta1": float(b1), "beta2": float(b2), "eps": float(g["eps"]),
+            "weight_decay": float(g["weight_decay"])}
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)
+
+
+def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
+    """The Session of a wrapped model (None when it is not wrapped)."""
+    return getattr(model, "_trainstream_session", None)
+
+
+def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union[str, torch.device],
+             options: dict[str, Any]) -> _Prepared:
+    """Step 1: checks everything that needs no daemon."""
+    opts = _check_options(options)
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise TypeError(f"tsd runs AdamW; wrap() takes torch.optim.AdamW (or Adam without weight decay), not "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, TsdAdamW):
+        raise TypeError("this optimizer is already wrapped")
+    if type(optimizer) is torch.optim.Adam and any(g["weight_decay"] for g in optimizer.param_groups):
+        raise InvalidRequest("torch.optim.Adam's weight_decay is L2 regularisation, not AdamW's decoupled decay; "
+                             "tsd runs AdamW: use torch.optim.AdamW")
+    if unwrap_session(model) is not None:
+        raise TypeError("this model is already wrapped; trainstream.unwrap(model) first")
+    md = opts["moment_dtype"]
+    if md != "auto":
+        try:
+            md = tsd_dtype(md, "moment_dtype")
+        except ValueError:
+            md = None
+        if md not in MOMENT_DTYPES:
+            raise ValueError(f"moment_dtype must be 'auto', 'float32' or 'bfloat16', not {opts['moment_dtype']!r}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', not {dev}")
+
+    act = opts["activation_offload"]
+    paged_blocks = None
+    if act not in (False, None, "auto"):
+        blocks_name, block_list = find_blocks(model)
+        if block_list is None:
+            raise ValueError("activation_offload pages the activations of the model's repeated blocks, and this model "
+                             "has no nn.ModuleList of blocks; pass activation_offload=False")
+        paged_blocks = (blocks_name, block_list, choose_blocks(act, len(block_list)))
+
+    trainable = _collect(optimizer)
+    if not trainable:
+        raise ValueError("the optimizer has no trainable parameters (every one has requires_grad=False)")
+    buckets = list(reversed(trainable))  # last registered first: backward produces them first
+    work = opts["param_dtype"]
+    # The dtype of each parameter's working copy in the model (and of its gradient and slots).
+    dtypes = [TSD_DTYPES[work if work is not None else p.dtype] for p, _, _ in buckets]
+    return _Prepared(opts=opts, moment_dtype=md, device=dev, buckets=buckets, dtypes=dtypes, work=work,
+                     groups=[_hyper(g) for g in optimizer.param_groups],
+                     amsgrad=any(g.get("amsgrad", False) for g in optimizer.param_groups),
+                     maximize=any(g.get("maximize", False) for g in optimizer.param_groups),
+                     paged_blocks=paged_blocks)
+
+
+def _job_name(opts: dict[str, Any]) -> str:
+    return opts["job"] or f"trainstream-{socket.gethostname()}-{os.getpid()}-{next(_jobs)}"
+
+
+def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[Budget]) -> Plan:
+    """Step 2: the budget (given fields, then measured ones) and the daemon's dry run of the
+    registration, into planner.plan(). Allocates nothing."""
+    given = budget if budget is not None else Budget()
+    quota_request = client.quota_bytes if client.attached else parse_bytes(prep.opts["quota"])
+    measured = given.merged(planner.tsd_budget(client.status(), client.jobs(), job, quota_request))
+    if prep.device.type == "cuda":
+        measured = measured.merged(planner.measure_device(prep.device))
+    measured = measured.merged(planner.measure_host())
+    layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
+    size = [DTYPE_BYTES[d] for d in prep.dtypes]
+    params = [p for p, _, _ in prep.buckets]
+    demand = Demand(
+        parameters=sum(p.numel() for p in params), optimizer=layouts, accumulate=prep.accumulate,
+        device=str(prep.device),
+        weights_to_move=sum(p.numel() * s for p, s in zip(params, size) if p.device != prep.device),
+        weights_on_device=sum(p.numel() * s for p, s in zip(params, size) if p.device == prep.device),
+        largest_grad=max((p.numel() * s for p, s in zip(params, size)), default=0))
+    return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
+
+
+def plan_wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union[str, torch.device] = "cuda",
+              client: Optional[Client] = None, budget: Optional[Budget] = None, **options: Any) -> Plan:
+    """What `wrap()` with the same arguments would do, without doing it: the `planner.Plan`
+    (moment dtype, bytes in tsd and each part of them, the budget). Raises what wrap() would
+    raise before allocating (bad options, QuotaExceeded with check_memory). Creates no job,
+    allocates nothing, changes neither model nor optimizer."""
+    prep = _prepare(model, optimizer, device, options)
+    own = client is None
+    c = client if client is not None else Client(socket=prep.opts["socket"])
+    try:
+        job = c.job if c.attached else (prep.opts["job"] or None)
+        return _plan(c, prep, job, budget)
+    finally:
+        if own:
+            c.close()
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union[str, torch.device] = "cuda",
+         client: Optional[Client] = None, budget: Optional[Budget] = None,
+         **options: Any) -> tuple[torch.nn.Module, TsdAdamW]:
+    """Moves `optimizer`'s work into tsd. Returns (model, optimizer), the optimizer a
+    torch.optim.Optimizer whose step() waits for the daemon's updates and copies them back.
+
+    Options (TrainStream's names): offload="auto" | True, moment_dtype="auto" | "float32" |
+    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True, activation_offload;
+    and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
+    socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
+    parameters become working copies in that dtype on the device while tsd keeps their fp32
+    masters; unwrap() gives them back in their own dtype with the masters' values).
+    `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
+    See docs/python.md."""
+    prep = _prepare(model, optimizer, device, options)
+    opts, device = prep.opts, prep.device
+    owns_client = client is None
+    if client is None:
+        client = Client(socket=opts["socket"])
+    try:
+        attached = client.job if client.attached else None
+        job = attached if attached is not None else _job_name(opts)
+        plan = _plan(client, prep, job, budget)
+        # ---- from here on, the plan is applied
+        if attached is None:
+            client.attach(job, opts["quota"])
+        handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+    except BaseException:
+        if owns_client:
+            client.close()
+        raise
+
+    session = Session(device, client, owns_client, opts, budget)
+    session.handle = handle
+    session.moment_dtype = plan.moment_dtype
+    session.state_bytes = handle.state_bytes
+    work = prep.work
+    for b, (p, gi, index) in enumerate(prep.buckets):
+        ps = ParamSlots(p, b, gi, index)
+        ps.master, ps.grad_slot, ps.param_slot = handle.master(b), handle.grad(b), handle.param(b)
+        session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this
+        if work is not None and p.dtype != work:
+            p.data = p.data.to(device=device if device.type == "cuda" else p.device, dtype=work)
+            ps.version = p._version
+        session.params.append(ps)
+        session.by_param[id(p)] = ps
+    if device.type == "cuda":
+        model.to(device)
+    wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
+    if any(len(v) for v in optimizer.state.values()):
+        wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
+    wrapped_ref = weakref.ref(wrapped)
+
+    def hook(p: torch.Tensor) -> None:
+        opt = wrapped_ref()
+        if opt is not None:
+            session.on_grad(opt, p)
+
+    for ps in session.params:
+        ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
+    if prep.paged_blocks is not None:
+        name, block_list, chosen = prep.paged_blocks
+        session.arena = HostArena(
+            client, purpose="activation paging",
+            advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
+                   "blocks (activation_offload=), or train with a smaller batch")
+        session.pager = ActivationPager(model, [block_list[i] for i in chosen], device, host=session.arena)
+        session.pager.install()
+        session.events.append(f"activation_offload: the saved activations of blocks {_ranges(chosen)} of "
+                              f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
+                              f"lent by tsd")
+    session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
+                          f"{plan.moment_dtype} moments, "
+                          f"{'working copies in ' + TSD_DTYPES[work] + ' on ' + str(device) + ', ' if work else ''}"
+                          f"{format_bytes(handle.state_bytes)} in tsd (job {client.job!r}, "
+                          f"{format_bytes(plan.available)} was available), "
+                          f"AdamW on {handle.threads} daemon threads ({handle.isa})")
+    setattr(model, "_trainstream_session", session)
+    return model, wrapped
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Gives the model back with its (updated) parameters on its device, removes the hooks and
+    releases the job's memory in tsd. The wrapped optimizer cannot step afterwards."""
+    session = unwrap_session(model)
+    if session is None:
+        raise ValueError("this model is not wrapped by trainstream")
+    try:
+        if session.offloading and session.handle is not None and not session.closed:
+            try:
+                if any(ps.param.dtype != ps.orig_dtype for ps in session.params):
+                    session.restore_dtypes(session.read_state())  # idles first
+                else:
+                    session.idle()
+            except TsdError as e:
+                cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
+                warnings.warn(f"trainstream.unwrap: {e}{cast}")
+    finally:
+        session.release()
+        session.closed = True
+        del model._trainstream_session
+    return model
