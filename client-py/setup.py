@@ -101,7 +101,7 @@ setup(
     version="0.5.0",
     description="Python client of the TrainStream daemon (tsd): AdamW on the daemon's CPU threads, "
                 "gradients streamed out while backward runs",
-    packages=["trainstream"],
+    packages=["trainstream", "trainstream.paging", "trainstream.quant", "trainstream.integrations"],
     package_dir={"trainstream": "trainstream"},
     package_data={"trainstream": ["py.typed"]},
     ext_modules=[ext],
