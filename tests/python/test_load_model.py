@@ -153,3 +153,24 @@ def test_bad_inputs(tmp_path):
     json.dump(cfg, open(os.path.join(d2, "config.json"), "w"))
     with pytest.raises(ValueError, match="do not match"):
         load_model(d2, quantize="none")
+
+
+def test_quantized_weights_in_tsd_memory(tsd, tmp_path):
+    import trainstream
+    from trainstream.memory import HostArena
+    d = saved(tmp_path, dtype=torch.bfloat16)
+    ref = load_model(d, quantize="nf4")
+    with trainstream.connect(socket=tsd.socket, job="quant-load", quota="64MiB") as c:
+        arena = HostArena(c, purpose="quantized weights", chunk_bytes=1 << 20)
+        model = load_model(d, quantize="nf4", host=arena)
+        assert model._ts_load_info["host"] == "tsd"
+        qs = [Q.quantized_of(p) for p in model.parameters() if Q.quantized_of(p) is not None]
+        assert len(qs) == 3 * 7 and all(q.host_block is not None for q in qs)
+        assert arena.in_use_bytes >= sum(q.nbytes for q in qs) and c.status() is not None
+        assert torch.equal(logits(model), logits(ref))
+        del model, qs
+        import gc
+        gc.collect()
+        arena.reclaim()
+        assert arena.in_use_bytes == 0  # the blocks went back with the weights
+        arena.close()
