@@ -257,7 +257,7 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     else:
         read = list(expected)
 
-    info = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0, "bytes_read": 0,
+    info: dict[str, Any] = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0, "bytes_read": 0,
             "host": "tsd" if host is not None else "process"}
     bar = _Progress(len(read), sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in read) if keys else 0,
                     progress)
