@@ -89,3 +89,49 @@ def test_qlora_through_wrap_equals_peft_on_dequantized_base(tsd, tmp_path, kind)
     assert b == pytest.approx(a, abs=2e-4)
     base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert isinstance(base, Q.QuantizedLinear) and Q.quantized_of(base.weight).kind == kind
+
+
+def test_wrap_quantize_equals_load_model_quantize(tsd, tmp_path):
+    """wrap(quantize="nf4") quantizes the frozen block weights of a full-precision peft model:
+    the same run as a model loaded with load_model(quantize="nf4")."""
+    d = saved_llama(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    runs = []
+    for load_kind, wrap_kind in (("nf4", None), ("none", "nf4")):
+        model = load_model(d, quantize=load_kind, dtype=torch.float32)
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, quantize=wrap_kind)
+        try:
+            q = model.base_model.model.model.layers[1].mlp.up_proj
+            assert isinstance(q, Q.QuantizedLinear)
+            assert all(Q.quantized_of(p) is None for p in model.parameters() if p.requires_grad)
+            runs.append(train(model, opt, [ids] * 3))
+        finally:
+            trainstream.unwrap(model)
+    assert runs[0] == runs[1]
+
+
+def test_wrap_quantize_options_and_auto_choice(tsd):
+    from trainstream.quant.auto import choose, weight_bytes
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    for bad, match in ((dict(quantize="fp4"), "fp4"), (dict(prefer="fast"), "prefer"),
+                       (dict(quantize="nf4", quant_block_size=63), "multiple of 2")):
+        with pytest.raises(ValueError, match=match):
+            trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, **bad)
+    assert trainstream.unwrap_session(model) is None
+    sizes = {"none": 1000, "int8": 600, "nf4": 400}
+    assert choose(sizes, None) is None and choose(sizes, 1000) is None
+    assert choose(sizes, 700) == "int8" and choose(sizes, 700, "speed") == "nf4"
+    assert choose(sizes, 500) == "nf4" and choose(sizes, 100) == "nf4"
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    llama = LlamaForCausalLM(cfg)
+    llama.requires_grad_(False)
+    w = weight_bytes(llama, 64)
+    block = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)  # q o, k v (2 of 4 heads), gate up down; 2 layers
+    assert w["none"] - w["int8"] == block * 4 - block - 4 * (block // 64)
+    assert w["none"] - w["nf4"] == block * 4 - block // 2 - 4 * (block // 64)
