@@ -174,3 +174,23 @@ def test_quantized_weights_in_tsd_memory(tsd, tmp_path):
         arena.reclaim()
         assert arena.in_use_bytes == 0  # the blocks went back with the weights
         arena.close()
+
+
+def test_cast_on_load_checkpointing_and_kbit_preparation(tmp_path):
+    d = saved(tmp_path, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+    assert torch.equal(logits(ref), logits(load_model(d, quantize="none", dtype=torch.bfloat16)))
+    model = load_model(d, quantize="nf4", dtype=torch.bfloat16)
+    peft = pytest.importorskip("peft")
+    model = peft.prepare_model_for_kbit_training(model)  # casts bf16 parameters' .data to fp32
+    q = Q.quantized_of(model.model.layers[0].mlp.up_proj.weight)
+    assert q is not None and q.dtype == torch.float32 and model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert model.model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() == 0
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    assert model.base_model.model.is_gradient_checkpointing
+    ids = torch.randint(0, VOCAB, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)

@@ -5,7 +5,9 @@ A quantized parameter holds no full-precision storage (`untyped_storage().nbytes
 never requires grad; `quantized_of(param)` gives the `QuantizedWeight` behind it. Reading it
 through torch (an op, `.data`) gives the dequantized values, so code that touches a layer's
 weight directly (peft's `merge()`: `weight.data += delta`) still works: assigning `.data` makes
-the parameter an ordinary full-precision one again (it stops being quantized).
+the parameter an ordinary full-precision one again (it stops being quantized), except that a
+tensor of another dtype is taken as a cast: the weight stays quantized and computes in that dtype.
+In-place writes into `.data` are lost (it is a fresh dequantized tensor each time).
 """
 from __future__ import annotations
 
@@ -178,8 +180,18 @@ class QuantizedParameter(nn.Parameter):
         if getattr(func, "__self__", None) is _DATA:
             if name == "__get__" and q is not None:
                 return q.dequantize()
-            if name == "__set__" and isinstance(self, QuantizedParameter):
-                self._ts_quantized = None  # full-precision values replace the quantized ones
+            if name == "__set__" and isinstance(self, QuantizedParameter) and q is not None:
+                value = args[1]
+                if (isinstance(value, torch.Tensor) and value.dtype != q.dtype and value.dtype in _FLOAT_DTYPES
+                        and value.shape == q.shape):
+                    # a cast (`p.data = p.data.to(torch.float32)`, as peft's prepare_model_for_kbit_training
+                    # does): the weight stays quantized and computes in the new dtype
+                    moved = q.to(dtype=value.dtype)
+                    with torch._C.DisableTorchFunctionSubclass():
+                        func(self, _placeholder(moved))
+                    self._ts_quantized = moved
+                    return None
+                self._ts_quantized = None  # full-precision values of its dtype replace the quantized ones
         elif func is torch.Tensor.__repr__ and q is not None:
             return f"QuantizedParameter({q.kind}, shape={tuple(q.shape)}, dtype={q.dtype}, device={q.device})"
         elif name not in ("__get__", "__set__") and func not in _METADATA:
