@@ -115,6 +115,7 @@ def test_prequantized_checkpoint_is_read_without_requantizing(tmp_path):
         if q1 is not None:
             assert torch.equal(q1.codes, q2.codes) and torch.equal(q1.absmax, q2.absmax), name
     assert torch.equal(logits(model), logits(again))
+    assert load_model(out, budget_bytes=1 << 40)._ts_load_info["prequantized_tensors"] == 3 * 7  # auto keeps it
     full = load_model(out, quantize="none")
     assert Q.quantized_of(full.model.layers[0].self_attn.q_proj.weight) is None
     assert torch.equal(full.model.layers[0].self_attn.q_proj.weight,
@@ -194,3 +195,12 @@ def test_cast_on_load_checkpointing_and_kbit_preparation(tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_progress_shows_tensors_and_bytes(tmp_path, capsys):
+    d = saved(tmp_path)
+    load_model(d, quantize="int8", progress=True)
+    err = capsys.readouterr().err
+    assert "load_model: 30/30 tensors" in err and "KiB" in err
+    load_model(d, quantize="int8")  # not a terminal: silent
+    assert "load_model:" not in capsys.readouterr().err

@@ -147,7 +147,7 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     weights of the block stack quantized while read, in blocks of `block_size`), or "auto": the
     most precise of those whose bytes fit the host memory budget (`budget_bytes`, else
     `budget.ram_available / budget.processes`, else `ram_fraction` of the available RAM per local
-    process). dtype: the compute dtype (default the checkpoint's). random_weights=True builds the
+    process; a checkpoint stored quantized stays so). dtype: the compute dtype (default the checkpoint's). random_weights=True builds the
     architecture with random weights and reads none (benchmarks of bases not at hand).
     config_overrides (e.g. num_hidden_layers=2) change the config; tensors of the checkpoint the
     smaller model has no place for are then skipped. host: a trainstream.memory.HostArena to keep
@@ -222,7 +222,9 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
              "int8": full - q_numel * _bytes_of(dtype) + q_numel + 4 * q_blocks,
              "nf4": full - q_numel * _bytes_of(dtype) + (q_numel + 1) // 2 + 4 * q_blocks}
     kind: Optional[str]
-    if quantize == "auto":
+    if quantize == "auto" and prequant:
+        kind = "nf4"  # a checkpoint stored quantized stays as stored (no budget question to answer)
+    elif quantize == "auto":
         if budget_bytes is None:
             if budget is not None and budget.ram_available is not None:
                 budget_bytes = budget.ram_available // max(1, budget.processes or 1)
