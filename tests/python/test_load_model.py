@@ -116,6 +116,17 @@ def test_prequantized_checkpoint_is_read_without_requantizing(tmp_path):
             assert torch.equal(q1.codes, q2.codes) and torch.equal(q1.absmax, q2.absmax), name
     assert torch.equal(logits(model), logits(again))
     assert load_model(out, budget_bytes=1 << 40)._ts_load_info["prequantized_tensors"] == 3 * 7  # auto keeps it
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": False, "bnb_4bit_compute_dtype": "bfloat16"}
+    json.dump(cfg, open(cfg_path, "w"))
+    assert torch.equal(logits(model), logits(load_model(out)))  # as bitsandbytes' "bnb-4bit" configs say it
+    for bad in ({"bnb_4bit_use_double_quant": True}, {"bnb_4bit_quant_type": "fp4"}, {"quant_method": "gptq"}):
+        json.dump(dict(cfg, quantization_config=dict(cfg["quantization_config"], **bad)), open(cfg_path, "w"))
+        with pytest.raises(ValueError, match="NF4 without double"):
+            load_model(out)
+    json.dump(cfg, open(cfg_path, "w"))
     full = load_model(out, quantize="none")
     assert Q.quantized_of(full.model.layers[0].self_attn.q_proj.weight) is None
     assert torch.equal(full.model.layers[0].self_attn.q_proj.weight,

@@ -179,9 +179,12 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     if getattr(config, "quantization_config", None) is not None:
         qc = config.quantization_config
         qd = qc if isinstance(qc, dict) else qc.to_dict()
-        if qd.get("bnb_4bit_use_double_quant") or qd.get("load_in_8bit"):
-            raise ValueError(f"{path} is quantized by bitsandbytes with double quantization or 8-bit: load_model "
-                             f"reads only NF4 without double quantization (or full-precision checkpoints)")
+        method = qd.get("quant_method", "bitsandbytes")
+        if (method != "bitsandbytes" or qd.get("bnb_4bit_use_double_quant") or qd.get("load_in_8bit")
+                or qd.get("bnb_4bit_quant_type", "nf4") != "nf4"):
+            raise ValueError(f"{path} is quantized as {method} ({ {k: v for k, v in qd.items() if 'bnb' in k or 'load' in k} }): "
+                             f"load_model reads full-precision checkpoints and bitsandbytes NF4 without double "
+                             f"quantization only")
         del config.quantization_config
     if dtype is None:
         cd = getattr(config, "dtype", None)
