@@ -147,8 +147,9 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     weights of the block stack quantized while read, in blocks of `block_size`), or "auto": the
     most precise of those whose bytes fit the host memory budget (`budget_bytes`, else
     `budget.ram_available / budget.processes`, else `ram_fraction` of the available RAM per local
-    process; a checkpoint stored quantized stays so). dtype: the compute dtype (default the checkpoint's). random_weights=True builds the
-    architecture with random weights and reads none (benchmarks of bases not at hand).
+    process; a checkpoint stored quantized stays so). dtype: the compute dtype (default the
+    checkpoint's). random_weights=True builds the architecture with random weights and reads none
+    (benchmarks of bases not at hand).
     config_overrides (e.g. num_hidden_layers=2) change the config; tensors of the checkpoint the
     smaller model has no place for are then skipped. host: a trainstream.memory.HostArena to keep
     the quantized weights in tsd memory (default: process memory). progress: tensors and bytes on
@@ -182,9 +183,9 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
         method = qd.get("quant_method", "bitsandbytes")
         if (method != "bitsandbytes" or qd.get("bnb_4bit_use_double_quant") or qd.get("load_in_8bit")
                 or qd.get("bnb_4bit_quant_type", "nf4") != "nf4"):
-            raise ValueError(f"{path} is quantized as {method} ({ {k: v for k, v in qd.items() if 'bnb' in k or 'load' in k} }): "
-                             f"load_model reads full-precision checkpoints and bitsandbytes NF4 without double "
-                             f"quantization only")
+            shown = {k: v for k, v in qd.items() if "bnb" in k or "load" in k}
+            raise ValueError(f"{path} is quantized as {method} ({shown}): load_model reads full-precision "
+                             f"checkpoints and bitsandbytes NF4 without double quantization only")
         del config.quantization_config
     if dtype is None:
         cd = getattr(config, "dtype", None)
@@ -218,8 +219,9 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
                              f"double quantization only")
 
     # ---- quantize="auto": bytes of each choice
-    q_numel = sum(expected[n + ".weight"].numel() if (n + ".weight") in expected else 0 for n in targets)
-    q_blocks = sum(absmax_count(expected[n + ".weight"].numel(), block_size) for n in targets if n + ".weight" in expected)
+    q_sizes = [expected[n + ".weight"].numel() for n in targets if n + ".weight" in expected]
+    q_numel = sum(q_sizes)
+    q_blocks = sum(absmax_count(n, block_size) for n in q_sizes)
     full = sum(p.numel() for p in expected.values()) * _bytes_of(dtype)
     sizes = {"none": full,
              "int8": full - q_numel * _bytes_of(dtype) + q_numel + 4 * q_blocks,
@@ -262,8 +264,8 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     else:
         read = list(expected)
 
-    info: dict[str, Any] = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0, "bytes_read": 0,
-            "host": "tsd" if host is not None else "process"}
+    info: dict[str, Any] = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0,
+                            "bytes_read": 0, "host": "tsd" if host is not None else "process"}
     bar = _Progress(len(read), sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in read) if keys else 0,
                     progress)
     gen = torch.Generator().manual_seed(0)
