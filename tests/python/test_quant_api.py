@@ -249,3 +249,30 @@ def test_peft_lora_on_quantized_model_trains_and_merges(kind):
     assert torch.equal(up.weight, deq["layers.1.up.weight"] + delta)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_state_dict_round_trip_and_from_full_precision(kind):
+    torch.manual_seed(0)
+    src = Tiny()
+    full_sd = {k: v.clone() for k, v in src.state_dict().items()}
+    trainstream.quantize_model(src, kind)
+    dst = Tiny()
+    trainstream.quantize_model(dst, kind)
+    dst.load_state_dict(src.state_dict())  # strict: every key placed, codes kept as they are
+    for n, p in src.named_parameters():
+        a, b = Q.quantized_of(p), Q.quantized_of(dst.get_parameter(n))
+        if a is None:
+            assert torch.equal(p, dst.get_parameter(n)), n
+        else:
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.absmax, b.absmax) and b.kind == kind, n
+    other = Tiny()
+    trainstream.quantize_model(other, kind)
+    other.load_state_dict(full_sd)  # full-precision weights: quantized as the layer's format
+    q = Q.quantized_of(other.layers[1].up.weight)
+    assert torch.equal(q.codes, Q.quantized_of(src.layers[1].up.weight).codes)
+    bad = dict(full_sd, **{"layers.0.up.weight": torch.zeros(3, 3)})
+    with pytest.raises(RuntimeError, match="does not fit"):
+        other.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        other.load_state_dict({k: v for k, v in full_sd.items() if k != "layers.2.down.weight"})

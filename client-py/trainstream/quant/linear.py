@@ -153,6 +153,53 @@ class QuantizedLinear(nn.Linear):
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """Reads what `_save_to_state_dict` writes (codes, absmax, quant_state: kept as they are),
+        or a full-precision `weight` of the layer's shape (quantized with this layer's format)."""
+        q = self.quantized
+        if q is None:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            return
+        key = prefix + "weight"
+        mine = {k: v for k, v in state_dict.items() if k == key or k.startswith(key + ".")}
+        try:
+            new = self._weight_from(mine, key, q)
+        except ValueError as e:
+            error_msgs.append(f"{key}: {e}")
+            new = None
+        if key not in mine:
+            missing_keys.append(key)
+        rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in mine}
+        weight = self._parameters["weight"]
+        self._parameters["weight"] = None
+        try:
+            super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._parameters["weight"] = weight
+        if new is not None:
+            self._parameters["weight"] = QuantizedParameter.of(new)
+
+    @staticmethod
+    def _weight_from(entries: dict[str, torch.Tensor], key: str, q: QuantizedWeight) -> Optional[QuantizedWeight]:
+        if key not in entries:
+            return None
+        w = entries[key]
+        states = [k for k in entries if ".quant_state." in k]
+        if not states:
+            if tuple(w.shape) != tuple(q.shape):
+                raise ValueError(f"a weight of shape {tuple(w.shape)} does not fit a layer of shape {tuple(q.shape)}")
+            return QuantizedWeight.quantize(w.to(q.device), q.kind, q.block_size, dtype=q.dtype)
+        state = json.loads(bytes(entries[states[0]].cpu().tolist()).decode())
+        if list(state.get("shape", [])) != list(q.shape):
+            raise ValueError(f"the quantized weight has shape {state.get('shape')}; the layer is {list(q.shape)}")
+        if key + ".absmax" not in entries or key + ".nested_absmax" in entries:
+            raise ValueError("a quantized weight needs its absmax (and no double quantization)")
+        return QuantizedWeight(w.reshape(-1).to(q.device), entries[key + ".absmax"].to(q.device, torch.float32),
+                               str(state["quant_type"]), int(state["blocksize"]), q.shape, q.dtype)
+
     def extra_repr(self) -> str:
         q = self.quantized
         fmt = f", {q.kind}, block_size={q.block_size}" if q is not None else ""
