@@ -9,7 +9,8 @@ Steps:
      $TSD_PY_BUILD_DIR (default: build-py/ at the repository root), with the same toolchain and
      Debian libraries as the daemon. On a machine with nvcc, tsclient registers regions with CUDA.
   2. The extension is compiled against torch's headers (torch.utils.cpp_extension) and linked
-     against libtsclient.so, which is copied next to it (rpath $ORIGIN).
+     against libtsclient.so, which is copied next to it (rpath $ORIGIN), as is libtsd_quant.so
+     (the quantization kernels, loaded by trainstream.quant through ctypes).
 
 The extension itself needs no CUDA headers: the same source builds on machines without a GPU.
 """
@@ -59,7 +60,8 @@ def build_tsclient():
     if not os.path.exists(os.path.join(BUILD_DIR, "CMakeCache.txt")):
         subprocess.check_call(["cmake", "-S", ROOT, "-B", BUILD_DIR, *gen, "-DCMAKE_BUILD_TYPE=Release",
                                "-DTSD_BUILD_TESTS=OFF", "-DTSD_BUILD_BENCH=OFF"])
-    subprocess.check_call(["cmake", "--build", BUILD_DIR, "--target", "tsclient", "-j", JOBS])
+    # tsd_quant: the quantization kernels' C ABI, which trainstream.quant loads with ctypes.
+    subprocess.check_call(["cmake", "--build", BUILD_DIR, "--target", "tsclient", "tsd_quant", "-j", JOBS])
     return os.path.join(BUILD_DIR, "lib")
 
 
@@ -83,6 +85,9 @@ class Build(BuildExtension):
         for lib in glob.glob(os.path.join(self.libdir, "libtsclient.so.*")):
             if lib.count(".so.") == 1 and lib.split(".so.")[1].isdigit():
                 shutil.copy2(lib, dest)
+        quant = os.path.join(self.libdir, "libtsd_quant.so")
+        if os.path.exists(quant):
+            shutil.copy2(quant, dest)
 
 
 ext = CppExtension(
@@ -101,7 +106,7 @@ setup(
     version="0.5.0",
     description="Python client of the TrainStream daemon (tsd): AdamW on the daemon's CPU threads, "
                 "gradients streamed out while backward runs",
-    packages=["trainstream", "trainstream.paging"],
+    packages=["trainstream", "trainstream.paging", "trainstream.quant", "trainstream.integrations"],
     package_dir={"trainstream": "trainstream"},
     package_data={"trainstream": ["py.typed"]},
     ext_modules=[ext],

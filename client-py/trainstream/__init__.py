@@ -14,6 +14,8 @@ The package, by responsibility (docs/python.md):
   engine     Session: the per-step protocol with tsd
   optim      TsdAdamW: the torch.optim.Optimizer facade
   wiring     wrap(), plan_wrap(), unwrap(): a plan first, then applied
+  quant      int8/NF4 frozen weights: quantize_tensor, QuantizedLinear, quantize_model
+  integrations.huggingface  load_model: a safetensors checkpoint, quantized while read
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -23,6 +25,7 @@ from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, Inval
 from .memory import HostArena
 from .optim import TsdAdamW
 from .planner import Budget, Plan
+from .quant import quantize_model
 from .units import format_bytes, parse_bytes
 from .wiring import plan_wrap, unwrap, unwrap_session, wrap
 
@@ -30,5 +33,5 @@ __version__ = "0.5.0"
 
 __all__ = ["connect", "wrap", "plan_wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job",
            "Region", "RegionInfo", "OptimizerLayout", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
-           "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "PermissionDenied", "NotFound",
+           "quantize_model", "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "PermissionDenied", "NotFound",
            "AlreadyExists", "FailedPrecondition", "SessionClosed", "Timeout"]

@@ -34,6 +34,7 @@ from .memory import HostArena
 from .optim import TsdAdamW
 from .paging.activations import ActivationPager, choose_blocks, find_blocks
 from .planner import Budget, Demand, Plan
+from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
 __all__ = ["wrap", "unwrap", "unwrap_session", "plan_wrap"]
@@ -43,7 +44,7 @@ _jobs = itertools.count()
 # wrap()'s options and their defaults (TrainStream's names, then tsd's own).
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
-    "param_offload": False, "activation_offload": False, "quantize": None,
+    "param_offload": False, "activation_offload": False, "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
 
 
@@ -85,8 +86,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError(f"param_offload={out['param_offload']!r} is not implemented by tsd yet: the weights "
                                   f"stay on the GPU (param_dtype=torch.bfloat16 halves them; their fp32 masters live in "
                                   f"tsd); the optimizer and, with activation_offload, activations are offloaded")
-    if out["quantize"] not in (None, "none"):
-        raise NotImplementedError("quantize= is not implemented by tsd yet")
+    check_wrap_options(out)
     if out["offload"] not in (True, "auto"):
         raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
     if out["param_dtype"] is not None:
@@ -240,7 +240,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     torch.optim.Optimizer whose step() waits for the daemon's updates and copies them back.
 
     Options (TrainStream's names): offload="auto" | True, moment_dtype="auto" | "float32" |
-    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True, activation_offload;
+    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True, activation_offload,
+    quantize=None | "none" | "auto" | "int8" | "nf4" (frozen block weights; "auto" when they cannot
+    fit in VRAM otherwise), prefer="exact" | "speed", quant_block_size=64;
     and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
@@ -257,6 +259,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         job = attached if attached is not None else _job_name(opts)
         plan = _plan(client, prep, job, budget)
         # ---- from here on, the plan is applied
+        quantized = apply_wrap_quantize(model, opts, plan.budget, device)
         if attached is None:
             client.attach(job, opts["quota"])
         handle = client._register_optimizer(**prep.request(plan.moment_dtype))
@@ -304,6 +307,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.events.append(f"activation_offload: the saved activations of blocks {_ranges(chosen)} of "
                               f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
                               f"lent by tsd")
+    if quantized:
+        session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
                           f"{plan.moment_dtype} moments, "
                           f"{'working copies in ' + TSD_DTYPES[work] + ' on ' + str(device) + ', ' if work else ''}"

@@ -1,0 +1,1 @@
+"""Integrations with other libraries: `huggingface` (load_model for transformers causal LMs)."""
