@@ -501,7 +501,8 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const OptimizerSpec& spec) {
+// The registration request for `spec`: what RegisterOptimizer sends and PlanOptimizer dry-runs.
+static v1::RegisterOptimizerRequest RegistrationRequest(const OptimizerSpec& spec) {
   v1::RegisterOptimizerRequest req;
   for (const auto& g : spec.groups) {
     auto* p = req.add_groups();
@@ -524,6 +525,11 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
   req.set_max_grad_norm(spec.max_grad_norm);
   req.set_accumulate(spec.accumulate);
   req.set_seed(spec.seed);
+  return req;
+}
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const OptimizerSpec& spec) {
+  const v1::RegisterOptimizerRequest req = RegistrationRequest(spec);
   v1::RegisterOptimizerResponse resp;
   {
     MutexLock lock(impl_->mu);
@@ -563,28 +569,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
 }
 
 absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec) {
-  v1::RegisterOptimizerRequest req;
-  for (const auto& g : spec.groups) {
-    auto* p = req.add_groups();
-    p->set_lr(g.lr);
-    p->set_beta1(g.beta1);
-    p->set_beta2(g.beta2);
-    p->set_eps(g.eps);
-    p->set_weight_decay(g.weight_decay);
-    p->set_amsgrad(spec.amsgrad);
-    p->set_maximize(spec.maximize);
-  }
-  for (const auto& b : spec.buckets) {
-    auto* p = req.add_buckets();
-    p->set_group(b.group);
-    p->set_numel(b.numel);
-    p->set_grad_dtype(static_cast<v1::DType>(b.grad_dtype));
-    p->set_param_dtype(static_cast<v1::DType>(b.param_dtype));
-  }
-  req.set_moment_dtype(static_cast<v1::DType>(spec.moment_dtype));
-  req.set_max_grad_norm(spec.max_grad_norm);
-  req.set_accumulate(spec.accumulate);
-  req.set_seed(spec.seed);
+  const v1::RegisterOptimizerRequest req = RegistrationRequest(spec);
   v1::PlanOptimizerResponse r;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
