@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs stages of work on the GPU machine (see ../shared/device/README.md), from the repository
+# root of the copy the device tool sends, with .devdeps carried. Each call starts from a bare
+# machine, so `build` comes first in every call:
+#
+#   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...]
+#
+#   build      tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into /tmp/bg),
+#              and the Python extension against the machine's torch (into /tmp/tspy)
+#   kernels    the CUDA quantization suite, the dequantize bench, and bitsandbytes beside tsd
+#              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
+#   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt)
+#   peers      installs the carried peer wheels (DeepSpeed, torchao) into /tmp/site
+#   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
+#
+# Stage arguments run until the next stage name. $OUT is the device tool's output folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:=/tmp/out}"
+mkdir -p "$OUT"
+source .devdeps/device-env.sh
+export TSD_BIN=/tmp/bg/bin/tsd TSD_QUANT_LIB=/tmp/bg/lib/libtsd_quant.so
+export PYTHONPATH=/tmp/tspy:/tmp/site:$PWD/.devdeps/site
+export TSD_BENCH_COMMIT=${TSD_BENCH_COMMIT:-unknown}
+STAGES=" build kernels pytest peers finetune "
+
+stage_build() {
+  local t0=$SECONDS
+  cmake -S . -B /tmp/bg -G Ninja -DCMAKE_BUILD_TYPE=Release >/tmp/cmake.log 2>&1 || { tail -50 /tmp/cmake.log; return 1; }
+  cmake --build /tmp/bg -j16 >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
+  TSD_PY_BUILD_DIR=/tmp/bp TSD_BUILD_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \
+    --target /tmp/tspy ./client-py >/tmp/pip.log 2>&1 || { tail -40 /tmp/pip.log; return 1; }
+  echo "gpu.sh: build took $((SECONDS - t0)) s"
+}
+
+stage_kernels() {
+  /tmp/bg/bin/tsd_quant_cuda_tests 2>&1 | tail -5
+  /tmp/bg/bin/dequant_bench 2>&1 | tail -20
+  local cmd="python3 bench/dequant_bnb.py --lib build/lib/libtsd_quant.so"
+  python3 bench/dequant_bnb.py --lib /tmp/bg/lib/libtsd_quant.so "$@" |
+    python3 bench/benchlib.py record-lines --benchmark dequant --results "$OUT/dequant.jsonl" \
+      --command "$cmd" --mode-keys bench --workload-keys elements,block_size,device,bitsandbytes,tsd_cpu_isa
+}
+
+stage_pytest() {
+  python3 -m pytest -q -rs "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -40 || echo "gpu.sh: pytest failed"
+}
+
+stage_peers() {
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .devdeps/wheels/*.whl
+  DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site \
+    .devdeps/wheels/deepspeed-*.tar.gz
+}
+
+stage_finetune() {
+  DS_SKIP_CUDA_CHECK=1 python3 bench/finetune_bench.py --peers .devdeps --tsd-bin /tmp/bg/bin/tsd \
+    --results "$OUT/finetune.jsonl" "$@"
+}
+
+while [ $# -gt 0 ]; do
+  stage=$1; shift
+  case "$STAGES" in *" $stage "*) ;; *) echo "gpu.sh: unknown stage $stage" >&2; exit 2 ;; esac
+  args=()
+  while [ $# -gt 0 ] && [[ "$STAGES" != *" $1 "* ]]; do args+=("$1"); shift; done
+  echo "== gpu.sh: $stage ${args[*]:-}"
+  t0=$SECONDS
+  "stage_$stage" "${args[@]}"
+  echo "== gpu.sh: $stage done in $((SECONDS - t0)) s"
+done
