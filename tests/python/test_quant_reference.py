@@ -128,10 +128,16 @@ def test_bad_block_size_refused(lib: ctypes.CDLL) -> None:
         ref.quantize(torch.ones(10), "nf4", 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+_BNB_CPU_FP16 = pytest.mark.xfail(
+    strict=True, reason="bitsandbytes 0.50.2's CPU dequantize_4bit to fp16 gives other bits than its own CUDA "
+    "kernel and tsd (measured on the H200 machine); its CUDA path equals tsd's in every dtype (test_quant_cuda.py)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, pytest.param(torch.float16, marks=_BNB_CPU_FP16)])
 def test_bitsandbytes_reads_tsd_nf4(lib: ctypes.CDLL, dtype: torch.dtype) -> None:
-    """bitsandbytes' dequantize_4bit (its CPU path) of tsd's NF4 codes and absmax gives tsd's bits.
-    Skips where bitsandbytes is not importable; bench/dequant_bnb.py checks its CUDA path."""
+    """bitsandbytes' dequantize_4bit (its CPU path) of tsd's NF4 codes and absmax gives tsd's bits
+    (fp32 and bf16; not fp16, see _BNB_CPU_FP16). Skips where bitsandbytes is not importable;
+    test_quant_cuda.py and bench/dequant_bnb.py check its CUDA path in every dtype."""
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     n, block_size = 1 << 16, 64
     x = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 0.02).to(dtype)
