@@ -5,8 +5,9 @@
 #
 #   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...]
 #
-#   build      tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into /tmp/bg),
-#              and the Python extension against the machine's torch (into /tmp/tspy)
+#   build [min]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into /tmp/bg;
+#              `min`: only tsd, tsctl, libtsclient and libtsd_quant), and the Python extension
+#              against the machine's torch (into /tmp/tspy, linking the same build)
 #   kernels    the CUDA quantization suite, the dequantize bench, and bitsandbytes beside tsd
 #              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
 #   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt)
@@ -27,8 +28,10 @@ STAGES=" build kernels pytest peers finetune "
 stage_build() {
   local t0=$SECONDS
   cmake -S . -B /tmp/bg -G Ninja -DCMAKE_BUILD_TYPE=Release >/tmp/cmake.log 2>&1 || { tail -50 /tmp/cmake.log; return 1; }
-  cmake --build /tmp/bg -j16 >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
-  TSD_PY_BUILD_DIR=/tmp/bp TSD_BUILD_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \
+  local targets=()
+  [ "${1:-}" = min ] && targets=(--target tsd tsctl tsclient tsd_quant)
+  cmake --build /tmp/bg -j16 "${targets[@]}" >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
+  TSD_PY_BUILD_DIR=/tmp/bg TSD_BUILD_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \
     --target /tmp/tspy ./client-py >/tmp/pip.log 2>&1 || { tail -40 /tmp/pip.log; return 1; }
   echo "gpu.sh: build took $((SECONDS - t0)) s"
 }
