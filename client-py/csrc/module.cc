@@ -451,6 +451,33 @@ PYBIND11_MODULE(_C, m) {
             Check(c.Free(h.region));
           },
           py::arg("region"))
+      .def(
+          "set_request_timeout",
+          [](tsd::Client& c, double seconds) {
+            if (!(seconds > 0) || seconds > 86400.0 * 365) {
+              Throw(absl::InvalidArgumentError(
+                  "request timeout must be a positive number of seconds (at most a year), got " +
+                  std::to_string(seconds)));
+            }
+            c.SetRequestTimeout(absl::Seconds(seconds));
+          },
+          py::arg("seconds"))
+      .def("last_notice",
+           [](tsd::Client& c) -> py::object {
+             std::optional<tsd::Notice> n;
+             {
+               py::gil_scoped_release release;
+               n = c.LastNotice();
+             }
+             if (!n) return py::none();
+             const char* kind = n->kind == tsd::Notice::Kind::kShutdown        ? "shutdown"
+                                : n->kind == tsd::Notice::Kind::kSessionClosed ? "session_closed"
+                                                                                : "other";
+             py::dict d;
+             d["kind"] = kind;
+             d["message"] = n->message;
+             return d;
+           })
       .def("list_regions",
            [](tsd::Client& c) {
              std::vector<tsd::RegionDesc> regions;

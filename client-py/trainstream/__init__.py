@@ -19,7 +19,7 @@ The package, by responsibility (docs/python.md):
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from .client import Client, Job, OptimizerLayout, Region, RegionInfo, Status, connect
+from .client import Client, Job, Notice, OptimizerLayout, Region, RegionInfo, Status, connect
 from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, NotFound,
                      PermissionDenied, QuotaExceeded, SessionClosed, Timeout, TsdError)
 from .memory import HostArena
@@ -32,6 +32,6 @@ from .wiring import plan_wrap, unwrap, unwrap_session, wrap
 __version__ = "0.5.0"
 
 __all__ = ["connect", "wrap", "plan_wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job",
-           "Region", "RegionInfo", "OptimizerLayout", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
+           "Region", "RegionInfo", "OptimizerLayout", "Notice", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
            "quantize_model", "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "PermissionDenied", "NotFound",
            "AlreadyExists", "FailedPrecondition", "SessionClosed", "Timeout"]

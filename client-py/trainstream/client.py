@@ -11,7 +11,7 @@ from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
 from .errors import FailedPrecondition
 from .units import Size, parse_bytes
 
-__all__ = ["Client", "Status", "Job", "Region", "RegionInfo", "OptimizerLayout", "connect", "parse_bytes"]
+__all__ = ["Client", "Status", "Job", "Region", "RegionInfo", "OptimizerLayout", "Notice", "connect", "parse_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +148,15 @@ class Region:
         return f"<trainstream.Region {self.name!r} {state}>"
 
 
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """A notice tsd sent this client on its own: `kind` is "shutdown" (the daemon is stopping),
+    "session_closed" (tsd closed the session; `message` says why) or "other"."""
+
+    kind: str
+    message: str
+
+
 class Client:
     """A connection to tsd, optionally attached to a job (a session). Use it as a context manager,
     or call `close()`: closing detaches, and a job is released with its last session."""
@@ -210,6 +219,18 @@ class Client:
     def quota_bytes(self) -> int:
         """The attached job's quota in bytes."""
         return self._c.quota_bytes
+
+    def set_request_timeout(self, seconds: float) -> None:
+        """How long one request of the session waits for tsd's reply (default 120 s; saving and
+        loading optimizer state wait at least an hour). A request that times out ends the
+        session: the connection is closed rather than left to read a stale reply."""
+        self._c.set_request_timeout(float(seconds))
+
+    def last_notice(self) -> Optional[Notice]:
+        """The last notice tsd sent this client (a shutdown, or why it closed the session), or
+        None; a notice that arrived while the client was idle is read here."""
+        n = self._c.last_notice()
+        return Notice(**n) if n is not None else None
 
     # ---- regions
     def alloc(self, name: str, size: Size) -> Region:

@@ -54,3 +54,20 @@ def test_parse_bytes():
     assert trainstream.parse_bytes("512 MiB") == 512 << 20
     assert trainstream.parse_bytes(4096) == 4096
     assert trainstream.parse_bytes(None) == 0
+
+
+def test_request_timeout_is_checked_and_a_shutdown_notice_is_read(own_tsd):
+    """set_request_timeout refuses nonsense; a client idle while tsd stops reads its SHUTDOWN notice."""
+    import signal
+
+    c = trainstream.connect(socket=own_tsd.socket, job="notice-job")
+    assert c.last_notice() is None
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(trainstream.InvalidRequest, match="positive number of seconds"):
+            c.set_request_timeout(bad)
+    c.set_request_timeout(5)
+    c.jobs()  # still served after the refusals and the new timeout
+    own_tsd.kill(signal.SIGTERM)
+    notice = c.last_notice()
+    assert notice is not None and notice.kind == "shutdown", notice
+    assert notice.message
