@@ -472,7 +472,7 @@ PYBIND11_MODULE(_C, m) {
              if (!n) return py::none();
              const char* kind = n->kind == tsd::Notice::Kind::kShutdown        ? "shutdown"
                                 : n->kind == tsd::Notice::Kind::kSessionClosed ? "session_closed"
-                                                                                : "other";
+                                                                               : "other";
              py::dict d;
              d["kind"] = kind;
              d["message"] = n->message;
