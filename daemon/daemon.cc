@@ -142,6 +142,9 @@ int RunDaemon(const Config& config) {
         config.optimizer_nice, std::strerror(pool.nice_errno()));
   }
   options.metrics = &metrics;
+  // The node's one book of bytes: jobs' regions and optimizer state are charged through it.
+  Ledger ledger(config.pool_bytes, 0);
+  options.ledger = &ledger;
   Registry registry(options);
   metrics.WatchRegistry(registry);
   Reloader reloader(config, registry, memlock.can_lock);

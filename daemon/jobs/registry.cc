@@ -22,16 +22,20 @@ uint64_t RoundUpToPage(uint64_t bytes) {
 
 }  // namespace
 
-Registry::Registry(RegistryOptions options) : options_(options) {}
+Registry::Registry(RegistryOptions options)
+    : options_(options),
+      own_ledger_(options.ledger != nullptr ? nullptr
+                                            : std::make_unique<Ledger>(options.pool_bytes, 0)),
+      ledger_(options.ledger != nullptr ? options.ledger : own_ledger_.get()) {}
 
 Registry::~Registry() { ReleaseAll(); }
 
-v1::JobInfo Registry::DescribeJob(const std::string& name, const Job& job) {
+v1::JobInfo Registry::DescribeJob(const std::string& name, const Job& job) const {
   v1::JobInfo info;
   info.set_name(name);
   info.set_uid(job.uid);
   info.set_sessions(static_cast<uint32_t>(job.sessions.size()));
-  info.set_used_bytes(job.used_bytes);
+  info.set_used_bytes(ledger_->Held(Holder::Job(name)));
   info.set_quota_bytes(job.quota_bytes);
   info.set_regions(static_cast<uint32_t>(job.regions.size()));
   return info;
@@ -70,6 +74,7 @@ absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t q
     j.name = job;
     j.uid = uid;
     j.quota_bytes = std::min(asked, options_.max_job_quota_bytes);
+    TSD_RETURN_IF_ERROR(ledger_->OpenJob(job, j.quota_bytes));
     it = jobs_.emplace(j.name, std::move(j)).first;
     result.job_created = true;
     spdlog::info("event=job_created job={} uid={} quota_bytes={}", job, uid,
@@ -99,22 +104,6 @@ absl::StatusOr<Registry::Session*> Registry::FindSession(uint64_t session_id) {
   return &it->second;
 }
 
-std::string Registry::HoldersLocked() const {
-  std::vector<const Job*> by_use;
-  for (const auto& [name, j] : jobs_) by_use.push_back(&j);
-  std::sort(by_use.begin(), by_use.end(),
-            [](const Job* a, const Job* b) { return a->used_bytes > b->used_bytes; });
-  std::vector<std::string> parts;
-  for (size_t i = 0; i < by_use.size() && i < 5; ++i) {
-    if (by_use[i]->used_bytes == 0) break;
-    parts.push_back(absl::StrCat("job '", by_use[i]->name, "' (uid ", by_use[i]->uid, ") ",
-                                 FormatBytes(by_use[i]->used_bytes)));
-  }
-  if (parts.empty()) return "nobody";
-  if (by_use.size() > 5) parts.push_back(absl::StrCat(by_use.size() - 5, " more jobs"));
-  return absl::StrJoin(parts, ", ");
-}
-
 absl::StatusOr<v1::RegionInfo> Registry::Alloc(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
@@ -131,6 +120,7 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
   bool lock_memory = false;
+  Reservation reserved;  // counted in the ledger at once, committed once the memory exists
   {
     MutexLock lock(mu_);
     lock_memory = options_.lock_memory;
@@ -155,23 +145,8 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", job.name, "' holds ", job.names.size(), " regions, the limit; free some first"));
     }
-    if (job.used_bytes + bytes > job.quota_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "region '", name, "' (", FormatBytes(bytes), ") would exceed job '", job.name,
-          "''s quota: it holds ", FormatBytes(job.used_bytes), " of ", FormatBytes(job.quota_bytes),
-          " (", FormatBytes(job.quota_bytes - job.used_bytes),
-          " free); free regions, or start the job with a larger "
-          "quota (at most ",
-          FormatBytes(options_.max_job_quota_bytes), ")"));
-    }
-    if (used_bytes_ + bytes > options_.pool_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "region '", name, "' (", FormatBytes(bytes),
-          ") does not fit in the pool: ", FormatBytes(options_.pool_bytes - used_bytes_),
-          " free of ", FormatBytes(options_.pool_bytes), "; held by ", HoldersLocked()));
-    }
-    job.used_bytes += bytes;
-    used_bytes_ += bytes;
+    // The quota and the pool: the ledger refuses, naming the biggest holders.
+    TSD_ASSIGN_OR_RETURN(reserved, ledger_->Reserve(Holder::Job(job.name), name, bytes));
     job.names.insert(name);
     region_id = next_region_id_++;
     instance = job.instance;
@@ -184,18 +159,23 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
   MutexLock lock(mu_);
   auto job = jobs_.find(job_name);
   if (job == jobs_.end() || job->second.instance != instance) {
-    // The job was released meanwhile (its last session died); that already uncharged the pool.
+    // The job was released meanwhile (its last session died); closing it in the ledger dropped
+    // the reservation.
     if (region.ok()) dead = std::move(*region);
     return absl::NotFoundError(absl::StrCat("job '", job_name, "' was released while region '",
                                             name, "' was being allocated"));
   }
   if (!region.ok()) {
-    job->second.used_bytes -= bytes;
-    used_bytes_ -= bytes;
+    ledger_->Cancel(reserved);
     job->second.names.erase(name);
     spdlog::warn("event=alloc_failed job={} region={} bytes={} error=\"{}\"", job_name, name, bytes,
                  std::string(region.status().message()));
     return region.status();
+  }
+  if (absl::Status s = ledger_->Commit(reserved); !s.ok()) {
+    dead = std::move(*region);
+    job->second.names.erase(name);
+    return s;
   }
   v1::RegionInfo info = Describe(**region);
   job->second.regions.emplace(region_id, std::move(*region));
@@ -222,12 +202,12 @@ absl::StatusOr<uint64_t> Registry::Free(uint64_t session_id, uint64_t region_id)
                                               job.name, "' (it holds ", job.regions.size(),
                                               " regions; see ListRegions)"));
     }
+    TSD_RETURN_IF_ERROR(
+        ledger_->Uncharge(Holder::Job(job.name), it->second->name(), it->second->bytes()));
     dead = std::move(it->second);
     job.regions.erase(it);
     freed = dead->bytes();
     job.names.erase(dead->name());
-    job.used_bytes -= freed;
-    used_bytes_ -= freed;
   }
   return freed;
 }
@@ -287,9 +267,9 @@ void Registry::ReleaseJobLocked(const std::string& name, ReleaseReason why, Rele
   for (uint64_t sid : job.sessions) sessions_.erase(sid);
   if (job.optimizer) dead.optimizers.push_back(std::move(job.optimizer));
   for (auto& [id, r] : job.regions) dead.regions.push_back(std::move(r));
-  used_bytes_ -= job.used_bytes;
+  const absl::StatusOr<uint64_t> released = ledger_->CloseJob(name);
   spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
-               job.used_bytes, job.regions.size(), ReleaseReasonName(why));
+               released.value_or(0), job.regions.size(), ReleaseReasonName(why));
   jobs_.erase(it);
 }
 
@@ -366,8 +346,9 @@ void Registry::ReleaseAll() {
 PoolSnapshot Registry::Snapshot() const {
   MutexLock lock(mu_);
   PoolSnapshot s;
-  s.pool_bytes = options_.pool_bytes;
-  s.used_bytes = used_bytes_;
+  const LedgerView book = ledger_->View();
+  s.pool_bytes = book.pool_bytes;
+  s.used_bytes = book.held_bytes;
   s.jobs = static_cast<uint32_t>(jobs_.size());
   s.sessions = static_cast<uint32_t>(sessions_.size());
   return s;
@@ -393,11 +374,10 @@ absl::StatusOr<JobRef> Registry::PrepareOptimizer(uint64_t session_id, uint64_t 
   if (job.optimizer) {
     return absl::AlreadyExistsError(absl::StrCat("job '", job.name, "' already has an optimizer"));
   }
-  if (job.used_bytes + need_bytes > job.quota_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the optimizer state needs ", FormatBytes(need_bytes), " but job '", job.name, "' has ",
-        FormatBytes(job.quota_bytes - job.used_bytes), " of its ", FormatBytes(job.quota_bytes),
-        " quota free; attach with a larger quota or use bf16 moments"));
+  // The whole state must fit before its first region is allocated.
+  if (absl::Status fits = ledger_->CheckFits(Holder::Job(job.name), "optimizer state", need_bytes);
+      !fits.ok()) {
+    return absl::Status(fits.code(), absl::StrCat(fits.message(), "; or use bf16 moments"));
   }
   return JobRef{job.name, job.instance};
 }
@@ -422,13 +402,17 @@ uint64_t Registry::ReleaseRegions(const JobRef& ref, const std::vector<uint64_t>
   for (uint64_t id : region_ids) {
     auto r = job.regions.find(id);
     if (r == job.regions.end()) continue;
+    if (absl::Status s =
+            ledger_->Uncharge(Holder::Job(job.name), r->second->name(), r->second->bytes());
+        !s.ok()) {
+      spdlog::error("event=ledger_mismatch job={} region={} error=\"{}\"", job.name,
+                    r->second->name(), std::string(s.message()));
+    }
     freed += r->second->bytes();
     job.names.erase(r->second->name());
     dead.push_back(std::move(r->second));
     job.regions.erase(r);
   }
-  job.used_bytes -= freed;
-  used_bytes_ -= freed;
   spdlog::info("event=regions_released job={} regions={} bytes={} reason={}", ref.name, dead.size(),
                freed, ReleaseReasonName(why));
   return freed;
@@ -488,12 +472,8 @@ RegistryOptions Registry::options() const {
 absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_bytes,
                                    absl::Duration orphan_grace) {
   MutexLock lock(mu_);
-  if (pool_bytes < used_bytes_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the new pool of ", FormatBytes(pool_bytes), " is smaller than the ",
-                     FormatBytes(used_bytes_), " jobs hold now (", HoldersLocked(),
-                     "); free memory first or keep a pool of at least ", FormatBytes(used_bytes_)));
-  }
+  // Refused, naming the holders, below what jobs and stores hold.
+  TSD_RETURN_IF_ERROR(ledger_->SetPoolBytes(pool_bytes));
   options_.pool_bytes = pool_bytes;
   options_.max_job_quota_bytes = std::min(max_job_quota_bytes, pool_bytes);
   options_.orphan_grace = orphan_grace;
@@ -503,8 +483,9 @@ absl::Status Registry::Reconfigure(uint64_t pool_bytes, uint64_t max_job_quota_b
 Registry::MetricsView Registry::View() const {
   MutexLock lock(mu_);
   MetricsView v;
-  v.pool.pool_bytes = options_.pool_bytes;
-  v.pool.used_bytes = used_bytes_;
+  const LedgerView book = ledger_->View();
+  v.pool.pool_bytes = book.pool_bytes;
+  v.pool.used_bytes = book.held_bytes;
   v.pool.jobs = static_cast<uint32_t>(jobs_.size());
   v.pool.sessions = static_cast<uint32_t>(sessions_.size());
   v.max_job_quota_bytes = options_.max_job_quota_bytes;

@@ -1,5 +1,7 @@
-// The Registry is the daemon's book of jobs, sessions and regions, and the one place that charges
-// memory to the pool and to job quotas. Every request from a client ends up here, already parsed
+// The Registry is the daemon's book of jobs, sessions and regions. It counts no bytes itself: every
+// charge of a region (a client's or the optimizer's) goes through the node's Ledger
+// (daemon/memory/ledger.h), which holds the pool, each job's quota and the store budget, and whose
+// refusals name the biggest holders. Every request from a client ends up here, already parsed
 // but not trusted: each id, name and size is checked, and a request that fails changes nothing.
 //
 // A session is one side-socket connection (daemon/rpc/side_server.h): `Attach` is called with the
@@ -9,9 +11,10 @@
 // created a job may attach to it. A job lives while it has sessions; when the last one ends its
 // memory is released after the orphan grace period.
 //
-// Locking: one mutex guards all state. Creating a region's memory (slow: pages are allocated and
-// locked) happens outside it, between a charge and a commit, so other clients are never stalled
-// behind a large allocation.
+// Locking: one mutex guards all state; the Ledger's own lock is taken inside it, never the other
+// way round. Creating a region's memory (slow: pages are allocated and locked) happens outside
+// it, between a Ledger reservation and its commit, so other clients are never stalled behind a
+// large allocation.
 #pragma once
 
 #include <sys/types.h>
@@ -28,6 +31,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/memory/ledger.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -47,6 +51,9 @@ struct RegistryOptions {
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
+  // The node's ledger, shared with the stores (not owned; it must outlive the Registry). Null:
+  // the Registry keeps a ledger of its own, of pool_bytes and no store budget.
+  Ledger* ledger = nullptr;
 };
 
 // Why a session ended or a job (or some of its regions) was released: logged as `reason=`.
@@ -164,6 +171,8 @@ class Registry final {
   };
   MetricsView View() const;
   // --- end of live reload and metrics ----------------------------------------------------------
+  // The ledger every charge goes through.
+  Ledger& ledger() const { return *ledger_; }
 
  private:
   struct Session {
@@ -176,8 +185,7 @@ class Registry final {
     uint64_t instance = 0;  // distinguishes a re-created job of the same name
     std::string name;
     uid_t uid = 0;
-    uint64_t quota_bytes = 0;
-    uint64_t used_bytes = 0;  // committed regions plus allocations in flight
+    uint64_t quota_bytes = 0;  // as granted; the Ledger holds it and what the job uses
     std::map<uint64_t, std::shared_ptr<Region>> regions;
     std::set<std::string> names;  // of regions, including allocations in flight
     std::set<uint64_t> sessions;
@@ -205,15 +213,15 @@ class Registry final {
   // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
   absl::StatusOr<v1::RegionInfo> AllocInternal(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes);
-  std::string HoldersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
-  static v1::JobInfo DescribeJob(const std::string& name, const Job& job);
+  v1::JobInfo DescribeJob(const std::string& name, const Job& job) const;
 
   // Fixed at construction, except pool_bytes, max_job_quota_bytes and orphan_grace, which
   // Reconfigure changes under mu_ (read them under mu_ too).
   RegistryOptions options_ ABSL_GUARDED_BY(mu_);
   mutable Mutex mu_;
-  uint64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<Ledger> own_ledger_;  // when options.ledger is null
+  Ledger* const ledger_;
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_region_id_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_job_instance_ ABSL_GUARDED_BY(mu_) = 1;

@@ -223,6 +223,16 @@ absl::Status Ledger::Uncharge(const Holder& holder, const std::string& label, ui
   return absl::OkStatus();
 }
 
+absl::Status Ledger::CheckFits(const Holder& holder, const std::string& label,
+                               uint64_t bytes) const {
+  MutexLock lock(mu_);
+  const Account* found = FindLocked(holder);
+  if (found == nullptr && holder.kind == Holder::Kind::kJob) {
+    return absl::NotFoundError(absl::StrCat(holder.ToString(), " is not open"));
+  }
+  return CheckFitsLocked(holder, found, label, bytes);
+}
+
 absl::StatusOr<Reservation> Ledger::Reserve(const Holder& holder, const std::string& label,
                                             uint64_t bytes) {
   MutexLock lock(mu_);

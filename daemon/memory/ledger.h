@@ -122,6 +122,10 @@ class Ledger final {
   absl::Status Commit(Reservation& reservation) ABSL_LOCKS_EXCLUDED(mu_);
   // Returns a pending reservation's bytes (what destroying it does).
   void Cancel(Reservation& reservation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `bytes` more would fit `holder`'s limit and the pool now, refused as Charge would
+  // refuse them; charges nothing (a check before a multi-part charge, such as an optimizer's).
+  absl::Status CheckFits(const Holder& holder, const std::string& label, uint64_t bytes) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- The node ---
   // Resizes the pool; refused (FAILED_PRECONDITION, naming the holders) below what is held.
