@@ -9,11 +9,17 @@ Modes, each run in its own process so peaks do not mix:
   tsd_bf16_act, tsd_bf16m_act   those with activation_offload=--activation-offload (a share of the
               decoder layers whose saved activations are paged to host memory)
   tsd_lora    peft LoRA r=16 on a bf16 base; the LoRA parameters' AdamW in tsd
+  tsd_qlora   the same on an NF4 base (trainstream.quantize_model, block 64, bf16 compute)
+  bnb_qlora   peft + bitsandbytes QLoRA, the peer of tsd_qlora: the block stack's linear layers as
+              bitsandbytes Linear4bit (NF4, block 64, no double quantization, bf16 compute; what
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+              bnb_4bit_compute_dtype=bfloat16) makes), LoRA r=16, torch AdamW on the GPU
   stock, fsdp2_offload, lora_stock     the peers of shared/bench/peers.py (fused AdamW in VRAM,
               FSDP2 + CPUOffloadPolicy, stock LoRA)
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
-Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
+--grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
+fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
 --clip 0 turns it off). Models come from a config with random weights (no download); `--arch tiny`
 is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, tsd modes only).
 
@@ -50,17 +56,21 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import benchlib  # noqa: E402
 
-TSD_MODES = ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act", "tsd_lora")
+TSD_MODES = ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act", "tsd_lora", "tsd_qlora")
 PEER_MODES = ("stock", "fsdp2_offload", "lora_stock")
 OFFLOAD_MODES = ("ds_offload", "torchao_offload")
-ALL_MODES = TSD_MODES + PEER_MODES + OFFLOAD_MODES
-NEEDS = {"tsd_lora": ("peft",), "lora_stock": ("peft",), "ds_offload": ("deepspeed",), "torchao_offload": ("torchao",)}
+LOCAL_PEER_MODES = ("bnb_qlora",)  # peers run by this script (--mode), without tsd
+ALL_MODES = TSD_MODES + PEER_MODES + OFFLOAD_MODES + LOCAL_PEER_MODES
+LORA_MODES = ("tsd_lora", "tsd_qlora", "bnb_qlora")
+NEEDS = {"tsd_lora": ("peft",), "tsd_qlora": ("peft",), "lora_stock": ("peft",), "ds_offload": ("deepspeed",),
+         "torchao_offload": ("torchao",), "bnb_qlora": ("peft", "bitsandbytes")}
 # What each mode keeps in which precision (the workload's dtype).
 DTYPES = {"tsd": "fp32 weights, bf16 autocast", "tsd_bf16": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16m": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16m_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
-          "tsd_lora": "bf16 base, LoRA in tsd", "stock": "fp32 weights, bf16 autocast",
+          "tsd_lora": "bf16 base, LoRA in tsd", "tsd_qlora": "NF4 base (tsd), bf16 compute, LoRA in tsd",
+          "bnb_qlora": "NF4 base (bitsandbytes), bf16 compute, LoRA with torch AdamW on the GPU", "stock": "fp32 weights, bf16 autocast",
           "fsdp2_offload": "fp32 sharded weights on the CPU, bf16 compute (MixedPrecisionPolicy)",
           "lora_stock": "bf16 base, LoRA in fp32", "ds_offload": "bf16 weights, fp32 master and moments on the CPU",
           "torchao_offload": "fp32 weights, bf16 autocast, fp32 moments on the CPU"}
@@ -88,10 +98,10 @@ def find_script(name: str, given: Optional[str]) -> Optional[str]:
 
 def skip_reason(mode: str, a: argparse.Namespace) -> Optional[str]:
     """Why `mode` cannot run here (None if it can): a missing package or script, or no GPU."""
-    if a.device == "cpu" and mode not in ("tsd", "tsd_bf16", "tsd_bf16m"):
+    if a.device == "cpu" and mode not in ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_lora", "tsd_qlora"):
         return "needs a GPU (this run is --device cpu)"
-    if a.arch == TINY and mode not in TSD_MODES:
-        return "the peers run the Qwen architectures of peers.py, not --arch tiny"
+    if a.arch == TINY and (mode not in TSD_MODES or mode in LORA_MODES):
+        return "the peers and the LoRA modes run the Qwen architectures of peers.py, not --arch tiny"
     if mode in PEER_MODES and not a.peers:
         return "peers.py not found: pass --peers (shared/bench)"
     if mode in OFFLOAD_MODES and not a.offload_peers:
@@ -106,8 +116,11 @@ def skip_reason(mode: str, a: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def build_model(a: argparse.Namespace, lora: bool) -> tuple[Any, int]:
-    """The model of --arch with random weights (seed 0), and its vocabulary size."""
+def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
+    """The model of --arch with random weights (seed 0) for `mode`, and its vocabulary size. The
+    LoRA modes build their bf16 base on --device directly (a 14B base would take minutes and 59 GB
+    in fp32 on the CPU), quantize it (tsd_qlora: trainstream; bnb_qlora: bitsandbytes) and add
+    peft adapters r=16 on the attention projections."""
     import torch
 
     torch.manual_seed(0)
@@ -121,36 +134,88 @@ def build_model(a: argparse.Namespace, lora: bool) -> tuple[Any, int]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])
-    model = Qwen2ForCausalLM(cfg)
-    if lora:
+    if mode not in LORA_MODES:
+        model = Qwen2ForCausalLM(cfg)
+    else:
         import peft
 
-        model = peft.get_peft_model(model.to(torch.bfloat16), peft.LoraConfig(
+        with torch.device(a.device):
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = Qwen2ForCausalLM(cfg)
+            finally:
+                torch.set_default_dtype(torch.float32)
+        if mode == "tsd_qlora":
+            import trainstream
+
+            trainstream.quantize_model(model, "nf4", block_size=64)
+        elif mode == "bnb_qlora":
+            bnb_quantize(model)
+        model = peft.get_peft_model(model, peft.LoraConfig(
             r=16, lora_alpha=32, task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    if a.grad_ckpt:
+        model.gradient_checkpointing_enable()
+        if mode in LORA_MODES:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need an input with grad
     return model, cfg.vocab_size
 
 
-def run_tsd_mode(a: argparse.Namespace) -> None:
-    """One tsd mode in this process; prints @@{json} like peers.py does."""
+def bnb_quantize(model: Any) -> None:
+    """Replaces every nn.Linear of the decoder layers with bitsandbytes' Linear4bit holding the
+    same weight in NF4 (block 64, no double quantization, bf16 compute): what transformers does
+    for BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_compute_dtype=torch.bfloat16), here on random weights already on the GPU."""
+    import bitsandbytes as bnb
     import torch
-    import trainstream
+
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                                      device="meta")
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=False,
+                                             quant_type="nf4", blocksize=64)
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(parent, name, q.to(child.weight.device))  # quantizes on the GPU
+                del child
+    model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layer by this flag
+    torch.cuda.empty_cache()
+
+
+def run_tsd_mode(a: argparse.Namespace) -> None:
+    """One tsd mode, or a peer this script runs itself (bnb_qlora), in this process; prints
+    @@{json} like peers.py does."""
+    import torch
 
     cuda = a.device == "cuda"
     if a.cap_gib:
         torch.cuda.set_per_process_memory_fraction(a.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     t0 = time.time()
-    lora = a.mode == "tsd_lora"
-    model, vocab = build_model(a, lora)
+    lora = a.mode in LORA_MODES
+    model, vocab = build_model(a, a.mode)
     model = model.to(a.device)
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
     moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
     activation_offload = a.activation_offload if a.mode.endswith("_act") else False
     stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora
-    model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
-                                  moment_dtype=moment_dtype, param_dtype=param_dtype,
-                                  activation_offload=activation_offload, max_grad_norm=a.clip or None)
-    session = trainstream.unwrap_session(model)
+    session = None
+    if a.mode in TSD_MODES:
+        import trainstream
+
+        model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
+                                      moment_dtype=moment_dtype, param_dtype=param_dtype,
+                                      activation_offload=activation_offload, max_grad_norm=a.clip or None)
+        session = trainstream.unwrap_session(model)
+        clip = None
+    else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
+        opt = stock_opt
+        trained = [p for p in model.parameters() if p.requires_grad]
+        clip = (lambda: torch.nn.utils.clip_grad_norm_(trained, a.clip)) if a.clip else None
     setup_s = time.time() - t0
     ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
@@ -172,6 +237,8 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         if cuda:
             ev[2].record()
         ts = time.perf_counter()
+        if clip is not None:
+            clip()
         opt.step()
         step_ms.append((time.perf_counter() - ts) * 1e3)
         opt.zero_grad(set_to_none=True)
@@ -188,9 +255,13 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         tail = xs[2:] or xs
         return sorted(tail)[len(tail) // 2]
 
-    with trainstream.connect(socket=a.socket) as c:
-        job = getattr(getattr(session, "client", None), "job", None)
-        held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
+    held = 0
+    if session is not None:
+        import trainstream
+
+        with trainstream.connect(socket=a.socket) as c:
+            job = getattr(getattr(session, "client", None), "job", None)
+            held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
     pager = getattr(session, "pager", None)
     handle = getattr(session, "handle", None)
     print("@@" + json.dumps(dict(
@@ -201,8 +272,12 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         param_dtype=str(param_dtype), activation_offload=activation_offload,
         paged_gib_per_step=(pager.paged_bytes / a.steps / 2**30 if pager is not None else 0.0),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
-        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None))), flush=True)
-    trainstream.unwrap(model)
+        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt)),
+        flush=True)
+    if session is not None:
+        import trainstream
+
+        trainstream.unwrap(model)
 
 
 def run_capped() -> None:
@@ -226,7 +301,8 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             return [sys.executable, os.path.abspath(__file__), "--run-capped", str(a.cap_gib), a.offload_peers, mode,
                     *common, *clip]
         return [sys.executable, a.offload_peers, mode, *common, *clip]
-    return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket, "--device", a.device,
+    return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket or "", "--device", a.device,
+            *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
             "--clip", str(a.clip), *common, *(["--peers", a.peers] if a.peers else []),
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
@@ -235,7 +311,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
 def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
     w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
                          "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
-                         "clip": a.clip, "vram_cap_gib": a.cap_gib}
+                         "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {})}
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
@@ -294,6 +370,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm for every mode (default 1.0; 0 turns it off)")
     ap.add_argument("--cap-gib", type=float, default=0, help="VRAM cap for every mode (set_per_process_memory_fraction)")
+    ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in every transformers mode")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: tsd modes only, for a smoke run")
     ap.add_argument("--modes", default="tsd_bf16_act,stock,fsdp2_offload,ds_offload,torchao_offload")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all modes, interleaved (3 for a ratio within 10%%)")
@@ -373,8 +450,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             daemon.terminate()
             daemon.wait(30)
     records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
-    ratios = [f"step:{m}" for m in ("fsdp2_offload", "ds_offload", "torchao_offload", "stock") if m in a.modes_list]
-    ratios += ["vram:stock"] if "stock" in a.modes_list else []
+    peers = ("fsdp2_offload", "ds_offload", "torchao_offload", "stock", "lora_stock", "bnb_qlora")
+    ratios = [f"step:{m}" for m in peers if m in a.modes_list]
+    ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
         a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
