@@ -33,7 +33,7 @@ from .errors import InvalidRequest, TsdError
 from .memory import HostArena
 from .optim import TsdAdamW
 from .paging.activations import ActivationPager, choose_blocks, find_blocks
-from .planner import Budget, Demand, Plan
+from .planner import Budget, Plan
 from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
@@ -63,6 +63,7 @@ class _Prepared:
     amsgrad: bool
     maximize: bool
     paged_blocks: Optional[tuple[Optional[str], torch.nn.ModuleList, list[int]]]
+    model: torch.nn.Module
 
     @property
     def accumulate(self) -> bool:
@@ -188,7 +189,7 @@ def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: U
                      groups=[_hyper(g) for g in optimizer.param_groups],
                      amsgrad=any(g.get("amsgrad", False) for g in optimizer.param_groups),
                      maximize=any(g.get("maximize", False) for g in optimizer.param_groups),
-                     paged_blocks=paged_blocks)
+                     paged_blocks=paged_blocks, model=model)
 
 
 def _job_name(opts: dict[str, Any]) -> str:
@@ -205,14 +206,10 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
         measured = measured.merged(planner.measure_device(prep.device))
     measured = measured.merged(planner.measure_host())
     layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
-    size = [DTYPE_BYTES[d] for d in prep.dtypes]
-    params = [p for p, _, _ in prep.buckets]
-    demand = Demand(
-        parameters=sum(p.numel() for p in params), optimizer=layouts, accumulate=prep.accumulate,
-        device=str(prep.device),
-        weights_to_move=sum(p.numel() * s for p, s in zip(params, size) if p.device != prep.device),
-        weights_on_device=sum(p.numel() * s for p, s in zip(params, size) if p.device == prep.device),
-        largest_grad=max((p.numel() * s for p, s in zip(params, size)), default=0))
+    demand = planner.model_demand(
+        prep.model, [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets, prep.dtypes)], prep.device, layouts,
+        accumulate=prep.accumulate, quantize=prep.opts["quantize"], quant_block_size=int(prep.opts["quant_block_size"]),
+        prefer=prep.opts["prefer"], budget=measured)
     return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
 
 
