@@ -30,9 +30,8 @@ from . import planner
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
-from .memory import HostArena
 from .optim import TsdAdamW
-from .paging.activations import ActivationPager, choose_blocks, find_blocks
+from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
 from .planner import Budget, Plan
 from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
@@ -44,7 +43,7 @@ _jobs = itertools.count()
 # wrap()'s options and their defaults (TrainStream's names, then tsd's own).
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
-    "param_offload": False, "activation_offload": False, "quantize": None, "prefer": "exact", "quant_block_size": 64,
+    "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
 
 
@@ -122,18 +121,6 @@ def _hyper(g: dict[str, Any]) -> dict[str, float]:
     b1, b2 = g["betas"]
     return {"lr": float(g["lr"]), "beta1": float(b1), "beta2": float(b2), "eps": float(g["eps"]),
             "weight_decay": float(g["weight_decay"])}
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], None
-    for i, x in enumerate(indices):
-        if start is None:
-            start = x
-        if i + 1 == len(indices) or indices[i + 1] != x + 1:
-            out.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ", ".join(out)
 
 
 def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
@@ -294,16 +281,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     for ps in session.params:
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
     if prep.paged_blocks is not None:
-        name, block_list, chosen = prep.paged_blocks
-        session.arena = HostArena(
-            client, purpose="activation paging",
-            advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
-                   "blocks (activation_offload=), or train with a smaller batch")
-        session.pager = ActivationPager(model, [block_list[i] for i in chosen], device, host=session.arena)
-        session.pager.install()
-        session.events.append(f"activation_offload: the saved activations of blocks {_ranges(chosen)} of "
-                              f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
-                              f"lent by tsd")
+        page_blocks(session, model, *prep.paged_blocks)
+    elif opts["activation_offload"] == "auto":
+        profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
@@ -325,10 +305,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     try:
         if session.offloading and session.handle is not None and not session.closed:
             try:
-                if any(ps.param.dtype != ps.orig_dtype for ps in session.params):
-                    session.restore_dtypes(session.read_state())  # idles first
-                else:
-                    session.idle()
+                session.idle()
+                for ps in session.params:
+                    _give_back(ps)
             except TsdError as e:
                 cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
                 warnings.warn(f"trainstream.unwrap: {e}{cast}")
@@ -337,3 +316,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.closed = True
         del model._trainstream_session
     return model
+
+
+def _give_back(ps: ParamSlots) -> None:
+    """A parameter cast by param_dtype= gets its own dtype back with its fp32 master's values,
+    copied straight from tsd's memory (mapped in this process) into the new tensor: on the CPU
+    into the parameter's own new storage, on CUDA host-to-device, then cast on the device. No
+    host copy beyond the parameter itself."""
+    p = ps.param
+    if p.dtype == ps.orig_dtype:
+        return
+    src = ps.master.view(p.shape)
+    if p.device.type == "cpu":
+        out = torch.empty(p.shape, dtype=ps.orig_dtype)
+        out.copy_(src)
+    else:
+        out = src.to(p.device).to(ps.orig_dtype)
+    p.data = out
