@@ -258,7 +258,7 @@ def decide_activation_offload(session: Session) -> None:
                               f"{per_block})")
         return
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
-                why=f" (activation_offload=auto after the first step: {why})")
+                why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
 
 
 def stock_adamw_fits(session: Session) -> tuple[bool, str]:

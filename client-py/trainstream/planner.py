@@ -387,7 +387,7 @@ def _refusals(p: Plan, auto: bool) -> list[Refusal]:
         out.append(Refusal(
             "host", p.host_bytes, p.host_room,
             f"the node's host RAM cannot hold this run: it needs {format_bytes(p.host_bytes)} (tsd's regions for the "
-            f"job {format_bytes(d.tsd_bytes(md))}{', the client process: ' + own if own else ''}) of "
+            f"job {format_bytes(d.tsd_bytes(md))} ({md} moments){', the client process: ' + own if own else ''}) of "
             f"{format_bytes(p.host_room)} this process may take ({int(RAM_HEADROOM * 100)}% of the "
             f"{format_bytes(b.ram_available or 0)} available{procs}). To fit: {'; or '.join(fix)}."))
     return out

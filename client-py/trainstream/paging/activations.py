@@ -279,17 +279,19 @@ class ActivationProfiler(ActivationPager):
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
-                chosen: Sequence[int], why: str = "") -> None:
+                chosen: Sequence[int], why: str = "", min_bytes: int = _MIN_BYTES) -> None:
     """Pages the saved activations of blocks `chosen` of `block_list` into a host arena of the
-    session's job (what wrap(activation_offload=...) installs, and "auto" after its first step).
-    `session` is the wrapped model's `engine.Session`; the decision is logged in its events."""
+    session's job (what wrap(activation_offload=...) installs, and "auto" after its first step),
+    tensors of at least `min_bytes`. `session` is the wrapped model's `engine.Session`; the
+    decision is logged in its events."""
     from ..memory import HostArena
 
     session.arena = HostArena(
         session.client, purpose="activation paging",
         advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
                "blocks (activation_offload=), or train with a smaller batch")
-    session.pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, host=session.arena)
+    session.pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, min_bytes=min_bytes,
+                                    host=session.arena)
     session.pager.install()
     session.events.append(f"activation_offload: the saved activations of blocks {block_ranges(list(chosen))} of "
                           f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
