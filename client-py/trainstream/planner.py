@@ -119,7 +119,9 @@ class Budget:
 
 
 def measure_device(device: Union[str, torch.device]) -> Budget:
-    """The VRAM fields of a budget for `device` (none on a CPU device)."""
+    """The VRAM fields of a budget for `device` (none on a CPU device): `vram_usable` from the
+    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, `vram_free` from
+    `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return Budget()
@@ -131,6 +133,9 @@ def measure_device(device: Union[str, torch.device]) -> Budget:
     except (AttributeError, RuntimeError):
         fraction = 1.0
     free, _ = torch.cuda.mem_get_info(dev)
+    if fraction < 1.0:
+        # Under a per-process cap, this process can take at most the cap less what its allocator holds.
+        free = min(free, max(0, int(total * fraction) - torch.cuda.memory_reserved(dev)))
     return Budget(vram_total=total, vram_usable=int(total * min(fraction, 1.0) * VRAM_HEADROOM), vram_free=free)
 
 
