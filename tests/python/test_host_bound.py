@@ -15,7 +15,9 @@ import textwrap
 import pytest
 import torch
 
+import trainstream
 from conftest import Daemon
+from gpt import batches, make_gpt, param_groups, train
 
 MiB = 1 << 20
 BUFFER = 64 * MiB
@@ -169,3 +171,64 @@ def test_cuda_unwrap_streams_parameters_to_the_device(tsd):
     p = subprocess.run([sys.executable, "-c", code, tsd.socket], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
     assert int(p.stdout.strip().splitlines()[-1]) <= BUFFER
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_streaming_save_and_restore_resume_exactly(tsd, tmp_path, param_dtype):
+    """save_state into a file the trainer opened, then load_state into a fresh wrap() of the
+    checkpointed model: training resumes bit-identically to an uninterrupted run (with
+    param_dtype=bf16 too: the saved fp32 masters round to the bf16 parameters, so they are kept)."""
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    data = batches(8)
+    kw = dict(device="cpu", socket=tsd.socket, activation_offload=False, max_grad_norm=1.0, param_dtype=param_dtype)
+    whole = make_gpt(0)
+    whole, opt_whole = trainstream.wrap(whole, torch.optim.AdamW(param_groups(whole, 0.1, 3e-3), **hp), **kw)
+    expected = train(whole, opt_whole, data, 8)
+    trainstream.unwrap(whole)
+
+    mine = make_gpt(0)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(param_groups(mine, 0.1, 3e-3), **hp), **kw)
+    first = train(mine, opt, data[:4], 4)
+    model_state = {k: v.clone() for k, v in mine.state_dict().items()}
+    path = tmp_path / "opt.safetensors"
+    with open(path, "wb") as f:
+        written = opt.save_state(f)
+    assert written == os.path.getsize(path) > 0
+    trainstream.unwrap(mine)
+
+    fresh = make_gpt(7)
+    fresh.load_state_dict({k: v.float() for k, v in model_state.items()})
+    fresh, opt2 = trainstream.wrap(fresh, torch.optim.AdamW(param_groups(fresh, 0.1, 3e-3), **hp), **kw)
+    try:
+        fd = os.open(path, os.O_RDONLY)  # a bare descriptor works too
+        try:
+            opt2.load_state(fd)
+        finally:
+            os.close(fd)
+        second = train(fresh, opt2, data[4:], 4)
+        assert first + second == expected
+        sd = opt2.state_dict()
+        assert float(sd["state"][0]["step"]) == 8
+        # A file of another layout is refused and changes nothing.
+        other = make_gpt(0, d=48)
+        other, opt3 = trainstream.wrap(other, torch.optim.AdamW(other.parameters(), **hp), device="cpu",
+                                       socket=tsd.socket, activation_offload=False)
+        try:
+            with open(path, "rb") as f, pytest.raises(trainstream.InvalidRequest):
+                opt3.load_state(f)
+            assert float(opt3.state_dict()["state"].get(0, {"step": torch.tensor(0.0)})["step"]) == 0
+        finally:
+            trainstream.unwrap(other)
+        with pytest.raises(TypeError, match="file descriptor or an open file"):
+            opt2.save_state("opt.safetensors")
+        r, w = os.pipe()
+        try:
+            with pytest.raises(trainstream.InvalidRequest, match="regular file"):
+                opt2.save_state(w)
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        trainstream.unwrap(fresh)
+    with pytest.raises(trainstream.TsdError, match="unwrapped"):
+        opt2.save_state(0)
