@@ -8,7 +8,8 @@
    fit. `plan_wrap()` stops here and returns the plan.
 3. Apply: attach the job, register the optimizer (`engine.Session` drives it from then on), cast
    working copies (`param_dtype=`), hook the gradients, and page activations into a host arena
-   of the job (`memory.HostArena`, `paging.activations`).
+   of the job (`memory.HostArena`, `paging.activations`), or, with activation_offload="auto",
+   profile them during the first step (`TsdAdamW.step` decides then).
 
 This module is `wiring`, not `wrap`: a submodule named `wrap` would be shadowed by (and shadow)
 the function `trainstream.wrap`.
@@ -298,7 +299,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Gives the model back with its (updated) parameters on its device, removes the hooks and
-    releases the job's memory in tsd. The wrapped optimizer cannot step afterwards."""
+    releases the job's memory in tsd. The wrapped optimizer cannot step afterwards. Parameters
+    cast by param_dtype= get their own dtype back one by one, straight from tsd's memory: no
+    host copy of the model or of the optimizer's state is made."""
     session = unwrap_session(model)
     if session is None:
         raise ValueError("this model is not wrapped by trainstream")
