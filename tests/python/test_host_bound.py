@@ -23,7 +23,7 @@ MiB = 1 << 20
 BUFFER = 64 * MiB
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-SCRIPT = textwrap.dedent(r"""
+PEAK = textwrap.dedent(r"""
     import gc, json, os, sys, threading, time
     import torch
     from torch import nn
@@ -55,6 +55,9 @@ SCRIPT = textwrap.dedent(r"""
             self.peak = max(self.peak, rss_anon())
             self.growth = self.peak - self.base
 
+""")
+
+SCRIPT = PEAK + textwrap.dedent(r"""
     socket, state_path, param_dtype = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)
     d = 4096
@@ -151,22 +154,18 @@ def test_unwrap_of_a_cast_model_grows_by_the_model_only(big_tsd, tmp_path):
 def test_cuda_unwrap_streams_parameters_to_the_device(tsd):
     """On CUDA, unwrap() of a param_dtype= model copies each master host-to-device from tsd's
     mapped memory: the process's anonymous memory does not grow by the model."""
-    code = textwrap.dedent(r"""
-        import gc, sys, torch, trainstream
-        from torch import nn
-        def rss_anon():
-            with open("/proc/self/status") as f:
-                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+    code = PEAK + textwrap.dedent(r"""
         model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(6)]).cuda()  # 25M parameters, 100 MB
         model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda", socket=sys.argv[1],
                                       param_dtype=torch.bfloat16, activation_offload=False, offload=True)
         model(torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
         opt.step()
-        gc.collect(); before = rss_anon()
-        trainstream.unwrap(model)
-        torch.cuda.synchronize(); gc.collect()
+        torch.cuda.synchronize()
+        with Peak() as m:
+            trainstream.unwrap(model)
+            torch.cuda.synchronize()
         assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
-        print(rss_anon() - before)
+        print(m.growth)
     """)
     p = subprocess.run([sys.executable, "-c", code, tsd.socket], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert p.returncode == 0, p.stderr[-4000:]
