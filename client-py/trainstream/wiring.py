@@ -287,11 +287,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
+    host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
+            if plan.host_room is not None else "")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
                           f"{plan.moment_dtype} moments, "
                           f"{'working copies in ' + TSD_DTYPES[work] + ' on ' + str(device) + ', ' if work else ''}"
                           f"{format_bytes(handle.state_bytes)} in tsd (job {client.job!r}, "
-                          f"{format_bytes(plan.available)} was available), "
+                          f"{format_bytes(plan.available)} was available), {host}"
                           f"AdamW on {handle.threads} daemon threads ({handle.isa})")
     setattr(model, "_trainstream_session", session)
     return model, wrapped

@@ -258,6 +258,7 @@ def test_activation_offload_auto_is_the_default_and_pages_nothing_on_the_cpu(tsd
     try:
         assert session.pager is None
         assert any("activation_offload=auto" in e and "nothing paged" in e for e in session.events)
+        assert any(e.startswith("wrap:") and "host RAM" in e and "this process may take" in e for e in session.events)
         train(model, opt, batches(2), 2)
         assert session.pager is None and session.arena is None
     finally:
