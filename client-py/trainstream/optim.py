@@ -244,14 +244,24 @@ def _master_rounds_to_param(ps: ParamSlots) -> bool:
 def decide_activation_offload(session: Session) -> None:
     """activation_offload="auto", after the first step: from the step's VRAM peak and the bytes
     each block saved (the profiler's), pages the activations of the blocks needed to fit the
-    usable VRAM (planner.activations_to_page), or none; the profiler goes either way."""
+    usable VRAM, within what tsd can still lend the job (planner.activations_to_page), or none;
+    the profiler goes either way. The peak is torch's since the process started or the caller's
+    last torch.cuda.reset_peak_memory_stats()."""
     prof = session.pager
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
     session.pager = None
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
-    chosen, why = planner.activations_to_page(peak, budget.vram_usable if session.cuda else None, prof.block_bytes)
+    room = None
+    if session.cuda and session.client is not None:
+        try:
+            c = session.client
+            room = planner.tsd_budget(c.status(), c.jobs(), c.job, 0).tsd_available
+        except TsdError:
+            room = None  # the daemon's answer is missing: the arena's own error tells if it cannot lend
+    chosen, why = planner.activations_to_page(peak, budget.vram_usable if session.cuda else None, prof.block_bytes,
+                                              room)
     per_block = ", ".join(planner.format_bytes(n) for n in prof.block_bytes)
     if not chosen:
         session.events.append(f"activation_offload=auto: nothing paged ({why}; saved activations per block: "

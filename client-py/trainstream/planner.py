@@ -416,13 +416,15 @@ def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool
                   f"{'<=' if fits else '>'} usable VRAM {format_bytes(usable)}")
 
 
-def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[int]) -> tuple[list[int], str]:
+def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[int],
+                        tsd_room: Optional[int] = None) -> tuple[list[int], str]:
     """`activation_offload="auto"`'s decision after the first step: which blocks' saved
     activations to page, given the step's VRAM `peak`, the `usable` VRAM (None: a CPU device, no
     VRAM to save) and the bytes each block saved (`ActivationProfiler.block_bytes`). Nothing when
     the peak fits; else the first blocks (their activations are made first and needed last) until
     what they page covers the excess, or every block that saved anything when even that falls
-    short. Returns (block indices, explanation)."""
+    short; never more than `tsd_room` bytes (what tsd can still lend the job; None: no limit).
+    Returns (block indices, explanation)."""
     if usable is None:
         return [], "the device is the CPU: paging saves no VRAM"
     if peak <= usable:
@@ -430,15 +432,23 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
     excess = peak - usable
     chosen: list[int] = []
     paged = 0
+    capped = False
     for i, n in enumerate(block_bytes):
         if paged >= excess:
             break
-        if n > 0:
-            chosen.append(i)
-            paged += n
+        if n <= 0:
+            continue
+        if tsd_room is not None and paged + n > tsd_room:
+            capped = True
+            break
+        chosen.append(i)
+        paged += n
     why = (f"the first step's peak {format_bytes(peak)} exceeds the usable VRAM {format_bytes(usable)} by "
            f"{format_bytes(excess)}; the chosen blocks saved {format_bytes(paged)}")
-    if paged < excess:
+    if capped:
+        why += (f" (as many blocks as the {format_bytes(tsd_room or 0)} tsd can still lend the job hold: pass a larger "
+                f"quota= or start tsd with a larger --pool-size to page more)")
+    elif paged < excess:
         why += (" (less than the excess, even with every block: lower the batch, use gradient checkpointing or "
                 "page weights with param_offload)")
     return chosen, why

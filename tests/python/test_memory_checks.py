@@ -176,6 +176,10 @@ def test_activation_decision_from_the_first_steps_peak():
     assert chosen == [1, 3]  # blocks that saved nothing are skipped
     chosen, why = planner.activations_to_page(4 * GiB, 2 * GiB, blocks)
     assert chosen == list(range(8)) and "less than the excess" in why
+    # Never more than tsd can still lend the job.
+    chosen, why = planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, blocks, tsd_room=250 * MiB)
+    assert chosen == [0, 1] and "larger quota=" in why
+    assert planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, blocks, tsd_room=GiB)[0] == [0, 1, 2]
 
 
 def test_profiler_measures_each_block_and_changes_nothing():
