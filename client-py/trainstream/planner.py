@@ -170,8 +170,10 @@ class Demand:
     `weights_paged` counts them, `paged_region_bytes` the tsd memory they take beyond the
     optimizer's parameter slots (frozen weights paged from a region of their own; trained ones are
     paged from their slot), and `paged_inflight` the VRAM the paged blocks in flight need
-    (prefetch). `frozen_weights` is the resident frozen weights' bytes and `quantized` the format
-    they are in (None: not quantized), for the refusal's advice.
+    (prefetch). `frozen_weights` is the bytes of the resident frozen block weights that quantize=
+    could shrink (unquantized) and `quantized` the format wrap() will quantize them to (None:
+    none), for the refusal's advice. Buffers count as resident weights; already quantized
+    weights at their quantized size.
 
     Host: `host_parts` is what the client process itself allocates in host memory beyond tsd's
     regions, as (what, bytes)."""
@@ -245,35 +247,39 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
                  quant_block_size: int = 64, prefer: str = "exact", budget: Optional[Budget] = None,
                  paged: Collection[int] = frozenset(), paged_inflight: int = 0) -> Demand:
     """The `Demand` of wrapping `model` for `device`. `trainable`: each trained parameter with the
-    bytes per element of its working copy (param_dtype=); every other parameter of the model is
-    frozen and counted in its dtype, or at its quantized size when `quantize` ("int8", "nf4", or
-    "auto", decided as wrap() decides it from `budget.vram_usable`) will quantize it. `paged`: the
+    bytes per element of its working copy (param_dtype=); every other parameter (and buffer) of
+    the model is frozen and counted in its dtype, or at its quantized size when it is quantized
+    already or `quantize` ("int8", "nf4", or "auto", decided as wrap() decides it from
+    `budget.vram_usable`) will quantize it. `paged`: the
     ids (`id(p)`) of the parameters of paged blocks, which stay in tsd memory instead of VRAM (the
     weight pager's plan); `paged_inflight`: the VRAM its blocks in flight take."""
     from .quant.auto import choose, weight_bytes  # quant imports this module
     from .quant.formats import absmax_count
     from .quant.model import quantizable_linears
+    from .quant.weight import quantized_of
 
     work = {id(p): n for p, n in trainable}
     kind = quantize if quantize in ("int8", "nf4") else None
     if quantize == "auto":
         room = budget.vram_usable if budget is not None and device.type == "cuda" else None
         kind = choose(weight_bytes(model, quant_block_size), room, prefer)
-    quantizable = {id(lin.weight) for _, _, lin in quantizable_linears(model, frozen_only=True)} if kind else set()
+    quantizable = {id(lin.weight) for _, _, lin in quantizable_linears(model, frozen_only=True)}
     unique: dict[int, torch.Tensor] = {}
-    for p in itertools.chain(model.parameters(), (t for t, _ in trainable)):
-        unique.setdefault(id(p), p)  # each tensor once (tied weights)
-    params = list(unique.values())
+    for t in itertools.chain(model.parameters(), (t for t, _ in trainable), model.buffers()):
+        unique.setdefault(id(t), t)  # each tensor once (tied weights)
     to_move = on_device = frozen = paged_bytes = paged_region = largest = 0
     cpu_regrowth = 0
-    for p in params:
-        n = p.numel()
+    for p in unique.values():
+        n, where = p.numel(), p.device
+        q = quantized_of(p)
         if id(p) in work:
             nbytes = n * work[id(p)]
             largest = max(largest, nbytes)
             if device.type == "cpu" and p.element_size() > work[id(p)]:
                 cpu_regrowth += n * (p.element_size() - work[id(p)])
-        elif id(p) in quantizable:
+        elif q is not None:  # already quantized: its codes and scales, wherever they are
+            nbytes, where = q.nbytes, q.device
+        elif id(p) in quantizable and kind is not None:
             nbytes = (n if kind == "int8" else (n + 1) // 2) + 4 * absmax_count(n, quant_block_size)
         else:
             nbytes = n * p.element_size()
@@ -282,9 +288,9 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
             if id(p) not in work:
                 paged_region += nbytes
             continue
-        if id(p) not in work:
-            frozen += nbytes
-        if p.device == device:
+        if id(p) in quantizable and q is None and kind is None:
+            frozen += nbytes  # resident, and quantize= could shrink it
+        if where == device:
             on_device += nbytes
         else:
             to_move += nbytes

@@ -135,13 +135,16 @@ def test_model_demand_counts_every_weight_where_it_will_live():
     tb = sum(p.numel() * 2 for p, _ in trainable)
     frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
     d = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT)
-    assert d.weights_to_move == tb + frozen and d.weights_on_device == 0 and d.frozen_weights == frozen
+    w = model.layers[0][0].weight.numel()
+    assert d.weights_to_move == tb + frozen and d.weights_on_device == 0
+    assert d.frozen_weights == 4 * w * 4  # the frozen block linears (what quantize= could shrink), not the embed
     assert d.largest_grad == max(p.numel() * 2 for p, _ in trainable)
     assert d.parameters == sum(p.numel() for p, _ in trainable)
     # int8: the frozen block linears take a byte per element plus an fp32 absmax per 64.
     q = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, quantize="int8")
-    w = model.layers[0][0].weight.numel()
-    assert q.quantized == "int8" and d.weights_to_move - q.weights_to_move == 4 * (4 * w - (w + 4 * (w // 64)))
+    int8 = w + 4 * (w // 64)
+    assert q.quantized == "int8" and d.weights_to_move - q.weights_to_move == 4 * (4 * w - int8)
+    assert q.frozen_weights == 0  # nothing left to advise quantizing
     # "auto" quantizes only what does not fit the usable VRAM.
     roomy = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, quantize="auto",
                                  budget=Budget(vram_usable=GiB))
@@ -163,6 +166,11 @@ def test_model_demand_counts_every_weight_where_it_will_live():
     assert host["the largest gradient"] == d.largest_grad
     assert host["the parameters given back in their own dtype at unwrap()"] == sum(p.numel() * 2 for p, _ in trainable)
     assert any("streaming buffer" in k for k in host)
+    # A model quantized already counts its codes and scales; buffers count too.
+    model.register_buffer("table", torch.zeros(1000))
+    trainstream.quantize_model(model, "int8", 64, frozen_only=True)
+    pre = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT)
+    assert pre.weights_to_move == q.weights_to_move + 4000 and pre.frozen_weights == 0
 
 
 def test_activation_decision_from_the_first_steps_peak():
