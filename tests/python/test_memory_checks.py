@@ -291,6 +291,23 @@ def test_cuda_wrap_refuses_weights_beyond_the_usable_vram(tsd):
 
 
 @cuda
+def test_cuda_wrap_counts_the_per_process_memory_fraction(tsd):
+    """A set_per_process_memory_fraction cap below the model: wrap() refuses before moving it."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    model = tower_of_linears()  # 33.6 MB of fp32 weights, on the CPU
+    torch.cuda.set_per_process_memory_fraction(16 * MiB / total, 0)
+    try:
+        b = planner.measure_device("cuda")
+        assert b.vram_usable <= int(16 * MiB * planner.VRAM_HEADROOM) + 1 and b.vram_free <= 16 * MiB
+        with pytest.raises(trainstream.MemoryCheckFailed, match="do not fit") as e:
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda", socket=tsd.socket)
+        assert e.value.refusals[0].what in ("vram_free", "vram_usable")
+        assert all(p.device.type == "cpu" for p in model.parameters())  # nothing moved
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+@cuda
 def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd):
     """Under a usable VRAM below the first step's peak, "auto" pages the first blocks'
     activations from the second step on, and the run equals an unpaged one bit for bit; with
