@@ -225,7 +225,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     torch.optim.Optimizer whose step() waits for the daemon's updates and copies them back.
 
     Options (TrainStream's names): offload="auto" | True, moment_dtype="auto" | "float32" |
-    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True, activation_offload,
+    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True (refuse, before allocating
+    anything, what cannot fit: trainstream.MemoryCheckFailed), activation_offload="auto" (pages
+    activations only when the first step's peak exceeds the usable VRAM) | False | True | fraction |
+    [block indices],
     quantize=None | "none" | "auto" | "int8" | "nf4" (frozen block weights; "auto" when they cannot
     fit in VRAM otherwise), prefer="exact" | "speed", quant_block_size=64;
     and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
