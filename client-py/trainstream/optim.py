@@ -139,10 +139,6 @@ class TsdAdamW(torch.optim.Optimizer):
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
-        for saved, mine in zip(groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
         meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
                 "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
         s.idle()
@@ -152,6 +148,10 @@ class TsdAdamW(torch.optim.Optimizer):
             s.handle.load_state(fd)
         finally:
             os.close(fd)
+        for saved, mine in zip(groups, self.param_groups):  # once the daemon took the state
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
         for ps in s.params:
             ps.version = ps.param._version
 
