@@ -20,7 +20,7 @@ The package, by responsibility (docs/python.md):
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .client import Client, Job, Notice, OptimizerLayout, Region, RegionInfo, Status, connect
-from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, NotFound,
+from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, MemoryCheckFailed, NotFound,
                      PermissionDenied, QuotaExceeded, SessionClosed, Timeout, TsdError)
 from .memory import HostArena
 from .optim import TsdAdamW
@@ -33,5 +33,5 @@ __version__ = "0.5.0"
 
 __all__ = ["connect", "wrap", "plan_wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job",
            "Region", "RegionInfo", "OptimizerLayout", "Notice", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
-           "quantize_model", "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "PermissionDenied", "NotFound",
+           "quantize_model", "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "MemoryCheckFailed", "PermissionDenied", "NotFound",
            "AlreadyExists", "FailedPrecondition", "SessionClosed", "Timeout"]

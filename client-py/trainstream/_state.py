@@ -1,5 +1,12 @@
 """The daemon's optimizer state file (safetensors, format "tsd.optimizer.v1"), read and written
-in place through a memfd, without copies of the whole file.
+in place, without copies of the whole file on the process's heap.
+
+The file is an unlinked temporary file (`new_file()`) in $TRAINSTREAM_STATE_DIR, else the system's
+temporary directory: the daemon writes it (`SaveState`), `read()` maps it and returns tensors
+that are views of the mapping (its pages are the file's page cache, which the kernel can write
+back and drop, not the process's anonymous memory), and `write()` fills it one tensor at a time
+for `LoadState`. On a tmpfs the file's pages are RAM: point $TRAINSTREAM_STATE_DIR at a disk for
+large models.
 
 Per bucket b the daemon writes "b<b>.master" (F32), "b<b>.exp_avg" and "b<b>.exp_avg_sq" (F32 or
 BF16, the registered moment dtype) and "b<b>.step" (I64, one element); LoadState wants exactly
@@ -9,6 +16,7 @@ import json
 import mmap
 import os
 import struct
+import tempfile
 
 import torch
 
@@ -30,41 +38,76 @@ def entry(bucket, part):
     return f"b{bucket}.{part}"
 
 
+def state_dir():
+    """Where state files are made: $TRAINSTREAM_STATE_DIR, else the system's temporary directory."""
+    return os.environ.get("TRAINSTREAM_STATE_DIR") or tempfile.gettempdir()
+
+
 def new_file(name="trainstream-state"):
-    return os.memfd_create(name, os.MFD_CLOEXEC)
+    """A new, empty, unlinked file for the daemon to write or read state in (a descriptor; the
+    caller closes it). Its space goes back when the descriptor and every mapping of it are gone."""
+    d = state_dir()
+    try:
+        return os.open(d, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, OSError):
+        pass  # no O_TMPFILE here (or the file system lacks it): a named file, unlinked at once
+    try:
+        fd, path = tempfile.mkstemp(prefix=name + "-", dir=d)
+    except OSError as e:
+        raise OSError(f"cannot make a state file in {d!r} ({e.strerror}): set $TRAINSTREAM_STATE_DIR to a writable "
+                      f"directory on a disk") from e
+    os.unlink(path)
+    return fd
 
 
-def read(fd):
-    """{name: tensor} (copies, independent of the file) and the metadata of a state file."""
+def read(fd, copy=False):
+    """{name: tensor} and the metadata of a state file. The tensors are views of a private
+    mapping of the file (`copy`: independent copies on the heap instead). A view stays valid as
+    long as it exists, whatever happens to the descriptor or the daemon afterwards (the mapping
+    lives until the last view of it is dropped); writing into one changes that tensor only (the
+    page is copied on write)."""
     size = os.fstat(fd).st_size
     if size < 8:
         raise ValueError("the state file is too short to be safetensors")
-    with mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-        (hlen,) = struct.unpack("<Q", mm[:8])
-        header = json.loads(bytes(mm[8:8 + hlen]))
-        meta = header.pop("__metadata__", {})
-        data = 8 + hlen
-        out = {}
-        for name, t in header.items():
-            begin, end = t["data_offsets"]
-            dtype = _TO_TORCH[t["dtype"]]
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=data + begin) if end > begin \
-                else torch.empty(0, dtype=torch.uint8)
-            out[name] = raw.clone().view(dtype).reshape(t["shape"])
-            del raw
+    mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    (hlen,) = struct.unpack("<Q", mm[:8])
+    if 8 + hlen > size:
+        mm.close()
+        raise ValueError(f"the state file's header length {hlen} is not plausible for a file of {size} bytes")
+    header = json.loads(bytes(mm[8:8 + hlen]))
+    meta = header.pop("__metadata__", {})
+    data = 8 + hlen
+    out = {}
+    for name, t in header.items():
+        begin, end = t["data_offsets"]
+        dtype = _TO_TORCH[t["dtype"]]
+        if not 0 <= begin <= end <= size - data:
+            raise ValueError(f"the state file's entry {name!r} lies outside the file")
+        if end > begin:
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=data + begin)  # keeps mm mapped
+        else:
+            raw = torch.empty(0, dtype=torch.uint8)
+        if copy:
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(t["shape"])
     return out, meta
 
 
 def write(fd, tensors, metadata):
-    """Writes {name: tensor} as safetensors into `fd` (truncated first), in the given order."""
+    """Writes {name: tensor} as safetensors into `fd` (truncated first), in the given order. A
+    value may also be (dtype, shape, make): `make()` is called when that entry is written, so at
+    most one such tensor is alive at a time (a streaming write)."""
     header = {"__metadata__": metadata}
     offset = 0
     items = []
     for name, t in tensors.items():
-        t = t.detach().contiguous().cpu()
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _FROM_TORCH[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        items.append((t, offset, nbytes))
+        if isinstance(t, torch.Tensor):
+            dtype, shape, make = t.dtype, tuple(t.shape), (lambda t=t: t)
+        else:
+            dtype, shape, make = t
+        nbytes = _numel(shape) * dtype.itemsize
+        header[name] = {"dtype": _FROM_TORCH[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        items.append((make, dtype, shape, offset, nbytes))
         offset += nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-(8 + len(h)) % 8)
@@ -76,8 +119,20 @@ def write(fd, tensors, metadata):
         mm[8:8 + len(h)] = h
         dst = torch.frombuffer(mm, dtype=torch.uint8)
         base = 8 + len(h)
-        for t, off, nbytes in items:
+        for make, dtype, shape, off, nbytes in items:
             if nbytes:
-                dst[base + off:base + off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                t = make().detach()
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"a state entry made {t.dtype} {tuple(t.shape)} where {dtype} {tuple(shape)} was "
+                                     f"announced")
+                dst[base + off:base + off + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+                del t
         del dst
     return total
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

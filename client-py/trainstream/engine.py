@@ -228,7 +228,9 @@ class Session:
 
     # ---- state
     def read_state(self) -> dict[int, BucketState]:
-        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, as flat tensors."""
+        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, as flat tensors: views
+        of a file-backed snapshot (`_state.read`), not copies on the heap. (Writing state back is
+        `TsdAdamW.load_state_dict`, one tensor at a time, and `TsdAdamW.load_state`.)"""
         self.idle()
         fd = _state.new_file()
         try:
@@ -239,29 +241,6 @@ class Session:
         e = _state.entry
         return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
                     int(tensors[e(b, "step")][0])) for b in range(len(self.params))}
-
-    def write_state(self, per_bucket: dict[int, BucketState], moment_dtype: str) -> None:
-        """Loads {bucket: (master, exp_avg, exp_avg_sq, step)} into the daemon (every bucket)."""
-        self.idle()
-        mdt = torch.float32 if moment_dtype == "float32" else torch.bfloat16
-        tensors = {}
-        e = _state.entry
-        for b, (master, m, v, step) in sorted(per_bucket.items()):
-            tensors[e(b, "master")] = master.reshape(-1).to(torch.float32)
-            tensors[e(b, "exp_avg")] = m.reshape(-1).to(mdt)
-            tensors[e(b, "exp_avg_sq")] = v.reshape(-1).to(mdt)
-            tensors[e(b, "step")] = torch.tensor([int(step)], dtype=torch.int64)
-        meta = {"format": _state.FORMAT, "buckets": str(len(per_bucket)),
-                "moment_dtype": _state.MOMENT_TAGS[moment_dtype], "committed": "0"}
-        fd = _state.new_file()
-        try:
-            _state.write(fd, tensors, meta)
-            self.handle.load_state(fd)
-        finally:
-            os.close(fd)
-        for b in per_bucket:
-            ps = self.params[b]
-            ps.version = ps.param._version
 
     def release(self, keep_pager: bool = False) -> None:
         """Removes the hooks and gives the job's memory back (when this session owns the client).

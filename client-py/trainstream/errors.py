@@ -3,7 +3,8 @@
 from the matching built-in exception, so `except MemoryError` catches an exhausted pool too."""
 from __future__ import annotations
 
-from typing import NoReturn, Optional
+import dataclasses
+from typing import NoReturn, Optional, Sequence
 
 # gRPC / absl status codes (the same numbers on both).
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ALREADY_EXISTS = range(7)
@@ -41,6 +42,27 @@ class QuotaExceeded(TsdError, MemoryError):
     free and who holds it. Also raised by `wrap(check_memory=True)` before anything is allocated."""
 
     code = RESOURCE_EXHAUSTED
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One check of `wrap(check_memory=True)` that failed: `what` is where ("tsd": the job's quota
+    and the pool; "vram_free" / "vram_usable": the device; "host": the node's RAM), `needed` and
+    `available` are bytes, `message` says each part, its size and what would make it fit."""
+
+    what: str
+    needed: int
+    available: int
+    message: str
+
+
+class MemoryCheckFailed(QuotaExceeded):
+    """`wrap(check_memory=True)` (or `plan_wrap`) refused, before allocating anything, a run that is
+    certain not to fit. `refusals` lists each failed check (`Refusal`); the message joins them."""
+
+    def __init__(self, message: str, refusals: Sequence[Refusal] = ()) -> None:
+        super().__init__(message)
+        self.refusals = tuple(refusals)
 
 
 class PermissionDenied(TsdError, PermissionError):

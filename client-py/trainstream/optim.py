@@ -2,22 +2,30 @@
 daemon-side AdamW, and the switch of `offload="auto"` to stock AdamW when it fits."""
 from __future__ import annotations
 
+import os
 import time
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional, Union
 
 import torch
 
-from . import planner
-from .engine import Session
+from . import _state, planner
+from .engine import ParamSlots, Session
 from .errors import TsdError
+from .paging.activations import ActivationProfiler, page_blocks
+
+# A file the optimizer's state streams to or from: a descriptor, or an object with fileno().
+StateFile = Union[int, IO[Any]]
 
 
 class TsdAdamW(torch.optim.Optimizer):
     """The optimizer `wrap()` returns: torch.optim.AdamW's interface, with the update done by tsd.
 
     `param_groups` is live (LR schedulers edit it); `state_dict()` reads the state from the daemon
-    in torch.optim.AdamW's layout (plus each parameter's fp32 "master"); `load_state_dict()` writes
-    it back. After `offload="auto"` switched to stock AdamW, every call goes to that optimizer."""
+    in torch.optim.AdamW's layout (plus each parameter's fp32 "master"), as views of a file-backed
+    snapshot; `load_state_dict()` writes it back one tensor at a time. `save_state(file)` and
+    `load_state(file)` stream the state between tsd and a file the trainer opened, without a copy
+    in the trainer's memory. After `offload="auto"` switched to stock AdamW, every call goes to
+    that optimizer."""
 
     def __init__(self, original: torch.optim.Optimizer, session: Session, moment_dtype: str) -> None:
         self._session = session
@@ -56,6 +64,8 @@ class TsdAdamW(torch.optim.Optimizer):
             s.closed = True
             raise
         s.step_times.append(time.perf_counter() - t0)
+        if s.steps == 1 and isinstance(s.pager, ActivationProfiler):
+            decide_activation_offload(s)
         if s.offload == "auto" and s.steps == 2:
             maybe_switch_to_stock(self)
         return loss
@@ -71,6 +81,11 @@ class TsdAdamW(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's layout. Offloaded, the tensors are views of a snapshot the daemon
+        wrote into an unlinked temporary file ($TRAINSTREAM_STATE_DIR, else the system's temporary
+        directory), mapped privately: they are not copied onto the trainer's heap, their pages are
+        the file's page cache, and they stay valid (the state at this call) after further steps and
+        after unwrap(), until the last of them is dropped; writing into one copies just its pages."""
         if self._inner is not None:
             return self._inner.state_dict()
         self._check()
@@ -89,6 +104,10 @@ class TsdAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Writes a state_dict (this optimizer's, or torch.optim.AdamW's) into tsd. The file the
+        daemon reads is filled one tensor at a time, each converted as it is written. A saved
+        "master" is used only where it rounds to the model's parameter (it adds precision below
+        a bf16/fp16 parameter, never other values); otherwise the parameter is the truth."""
         if self._inner is not None:
             return self._inner.load_state_dict(state_dict)
         self._check()
@@ -97,38 +116,159 @@ class TsdAdamW(torch.optim.Optimizer):
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
             raise ValueError("the state_dict's param_groups do not match this optimizer's (number of groups or "
                              "parameters per group)")
-        for saved, mine in zip(groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
         s = self._session
         params = self._index()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        per_bucket = {}
+        mdt = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
+        e = _state.entry
+        entries: dict[str, Any] = {}
         for i, p in enumerate(params):
             ps = s.by_param.get(id(p))
             if ps is None:
                 continue  # frozen: not in the daemon
             st = saved_state.get(i)
-            flat = p.detach().reshape(-1).to("cpu", torch.float32)
-            if st is None:
-                zeros = torch.zeros(p.numel(), dtype=torch.float32)
-                per_bucket[ps.bucket] = (flat, zeros, zeros, 0)
-                continue
-            master = st.get("master")
-            # The model's parameter is the truth: the saved fp32 master is used only where it rounds
-            # to the parameter (it adds precision below a bf16/fp16 parameter, never other values).
-            if master is None or not torch.equal(master.reshape(-1).to(p.dtype).cpu(), p.detach().reshape(-1).cpu()):
-                master = flat
-            step = st["step"]
+            n, b = p.numel(), ps.bucket
+            if st is not None:
+                bad = [k for k in ("exp_avg", "exp_avg_sq") if k not in st or st[k].numel() != n]
+                if bad or "step" not in st:
+                    raise ValueError(f"the state_dict's state[{i}] does not match parameter {i} ({n} elements): "
+                                     f"{bad or ['step']} missing or of another size")
+            step = 0 if st is None else st["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
-            per_bucket[ps.bucket] = (master.reshape(-1).float().cpu(), st["exp_avg"].reshape(-1).cpu(),
-                                     st["exp_avg_sq"].reshape(-1).cpu(), step)
-        s.write_state(per_bucket, self.moment_dtype)
+            entries[e(b, "master")] = (torch.float32, (n,), lambda p=p, st=st: _master_for(p, st))
+            for part in ("exp_avg", "exp_avg_sq"):
+                entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
+            entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
+        meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
+                "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
+        s.idle()
+        fd = _state.new_file()
+        try:
+            _state.write(fd, entries, meta)
+            s.handle.load_state(fd)
+        finally:
+            os.close(fd)
+        for saved, mine in zip(groups, self.param_groups):  # once the daemon took the state
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        for ps in s.params:
+            ps.version = ps.param._version
+
+    # ---- streaming
+    def save_state(self, file: StateFile) -> int:
+        """Streams the optimizer's state (fp32 masters, moments, step counts; safetensors, format
+        "tsd.optimizer.v1") into `file`, a regular file the trainer opened for writing (a
+        descriptor or an object with fileno()): the daemon writes it directly, so nothing of it
+        passes through the trainer's memory. The file is truncated and written from offset 0; its
+        position is left where it was. Returns the bytes written. The hyperparameters are not in
+        it: keep `state_dict()["param_groups"]` (or the schedule) beside it. Call between steps."""
+        self._check_streaming("save_state")
+        fd = _descriptor(file)
+        self._session.idle()
+        return int(self._session.handle.save_state(fd))
+
+    def load_state(self, file: StateFile) -> None:
+        """Restores state written by `save_state` from `file` (a regular file opened for reading)
+        into tsd; the daemon reads it directly and checks it against this optimizer's layout (the
+        same parameters, in the same order, with the same moment dtype) before changing anything.
+        A loaded master is kept only where it rounds to the model's parameter (as with
+        `load_state_dict`); elsewhere it is taken from the parameter, compared chunk by chunk
+        within `planner.STREAM_BUFFER`. Call between steps."""
+        self._check_streaming("load_state")
+        fd = _descriptor(file)
+        s = self._session
+        s.idle()
+        s.handle.load_state(fd)
+        for ps in s.params:
+            if not _master_rounds_to_param(ps):
+                s.sync_master(ps)
+            ps.version = ps.param._version
+
+    def _check_streaming(self, what: str) -> None:
+        if self._inner is not None:
+            raise RuntimeError(f"{what}: offload='auto' switched this optimizer to stock AdamW, whose state is in "
+                               f"torch; use state_dict() / load_state_dict()")
+        self._check()
 
     def __repr__(self) -> str:
         mode = "offloaded to tsd" if self._inner is None else "switched to stock AdamW"
         return f"TsdAdamW({mode}, {len(self.param_groups)} groups, moments {self.moment_dtype})"
+
+
+def _descriptor(file: StateFile) -> int:
+    if isinstance(file, int) and not isinstance(file, bool):
+        fd = file
+    else:
+        flush = getattr(file, "flush", None)
+        if callable(flush):
+            flush()  # what Python buffered for it, before the daemon writes at its offsets
+        fileno = getattr(file, "fileno", None)
+        if not callable(fileno):
+            raise TypeError(f"expected a file descriptor or an open file, not {type(file).__name__}")
+        fd = int(fileno())
+    if fd < 0:
+        raise ValueError(f"{fd} is not an open file descriptor")
+    return fd
+
+
+def _master_for(p: torch.Tensor, st: Optional[dict[str, Any]]) -> torch.Tensor:
+    """The fp32 master to load for `p`: the saved one where it rounds to `p`, else `p` upcast."""
+    flat = p.detach().reshape(-1)
+    master = None if st is None else st.get("master")
+    if master is not None:
+        master = master.detach().reshape(-1)
+        if master.numel() == flat.numel() and torch.equal(master.to(p.dtype).cpu(), flat.cpu()):
+            return master.to("cpu", torch.float32).contiguous()
+    return flat.to("cpu", torch.float32).contiguous()
+
+
+def _moment(st: Optional[dict[str, Any]], part: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    if st is None:
+        return torch.zeros(n, dtype=dtype)
+    return st[part].detach().reshape(-1).to("cpu", dtype).contiguous()
+
+
+def _master_rounds_to_param(ps: ParamSlots) -> bool:
+    """Whether the bucket's fp32 master (tsd memory, mapped) rounds to its parameter, compared in
+    chunks of at most planner.STREAM_BUFFER bytes of host memory."""
+    p = ps.param.detach().reshape(-1)
+    master = ps.master
+    chunk = max(1, planner.STREAM_BUFFER // 8)
+    for i in range(0, p.numel(), chunk):
+        if not torch.equal(master[i:i + chunk].to(p.dtype), p[i:i + chunk].cpu()):
+            return False
+    return True
+
+
+def decide_activation_offload(session: Session) -> None:
+    """activation_offload="auto", after the first step: from the step's VRAM peak and the bytes
+    each block saved (the profiler's), pages the activations of the blocks needed to fit the
+    usable VRAM, within what tsd can still lend the job (planner.activations_to_page), or none;
+    the profiler goes either way. The peak is torch's since the process started or the caller's
+    last torch.cuda.reset_peak_memory_stats()."""
+    prof = session.pager
+    assert isinstance(prof, ActivationProfiler)
+    prof.remove()
+    session.pager = None
+    budget = session.budget.merged(planner.measure_device(session.device))
+    peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
+    room = None
+    if session.cuda and session.client is not None:
+        try:
+            c = session.client
+            room = planner.tsd_budget(c.status(), c.jobs(), c.job, 0).tsd_available
+        except TsdError:
+            room = None  # the daemon's answer is missing: the arena's own error tells if it cannot lend
+    chosen, why = planner.activations_to_page(peak, budget.vram_usable if session.cuda else None, prof.block_bytes,
+                                              room)
+    per_block = ", ".join(planner.format_bytes(n) for n in prof.block_bytes)
+    if not chosen:
+        session.events.append(f"activation_offload=auto: nothing paged ({why}; saved activations per block: "
+                              f"{per_block})")
+        return
+    page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
+                why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
 
 
 def stock_adamw_fits(session: Session) -> tuple[bool, str]:

@@ -14,17 +14,24 @@ fix a few fields (`wrap(..., budget=Budget(vram_usable=...))`) and have the rest
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Collection, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .client import Job, OptimizerLayout, Status
-from .errors import QuotaExceeded
+from .errors import MemoryCheckFailed, Refusal
 from .units import MOMENT_DTYPES, format_bytes
 
 # How much of the GPU's memory a run may plan to use (the rest is the allocator's slack).
 VRAM_HEADROOM = 0.9
+# How much of the node's available RAM a run may plan to take (the rest is the kernel's and other
+# processes' slack).
+RAM_HEADROOM = 0.9
+# The most host memory the client holds at once when it streams state (unwrap(), the optimizer's
+# save and restore): one parameter's chunk at a time.
+STREAM_BUFFER = 64 << 20
 
 
 def available_ram_bytes() -> int:
@@ -112,7 +119,9 @@ class Budget:
 
 
 def measure_device(device: Union[str, torch.device]) -> Budget:
-    """The VRAM fields of a budget for `device` (none on a CPU device)."""
+    """The VRAM fields of a budget for `device` (none on a CPU device): `vram_usable` from the
+    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, `vram_free` from
+    `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return Budget()
@@ -124,6 +133,9 @@ def measure_device(device: Union[str, torch.device]) -> Budget:
     except (AttributeError, RuntimeError):
         fraction = 1.0
     free, _ = torch.cuda.mem_get_info(dev)
+    if fraction < 1.0:
+        # Under a per-process cap, this process can take at most the cap less what its allocator holds.
+        free = min(free, max(0, int(total * fraction) - torch.cuda.memory_reserved(dev)))
     return Budget(vram_total=total, vram_usable=int(total * min(fraction, 1.0) * VRAM_HEADROOM), vram_free=free)
 
 
@@ -149,8 +161,22 @@ def tsd_budget(status: Status, jobs: Sequence[Job], job: Optional[str], quota_re
 @dataclasses.dataclass(frozen=True)
 class Demand:
     """What a wrapped model needs. `optimizer`: the daemon's layout of its registration for each
-    candidate moment dtype; `device`: the training device ("cuda:0", "cpu"); the weights' bytes still to move to the
-    device and already there, and the largest gradient (in flight on the device at once)."""
+    candidate moment dtype; `device`: the training device ("cuda:0", "cpu").
+
+    VRAM: `weights_to_move` and `weights_on_device` are the bytes of the weights that will be
+    resident on the device (trainable ones in their working dtype, frozen ones in their dtype or
+    quantized size), still to move there and already there; `largest_grad` the largest gradient (in
+    flight on the device at once). With weight paging, the paged blocks' weights are not resident:
+    `weights_paged` counts them, `paged_region_bytes` the tsd memory they take beyond the
+    optimizer's parameter slots (frozen weights paged from a region of their own; trained ones are
+    paged from their slot), and `paged_inflight` the VRAM the paged blocks in flight need
+    (prefetch). `frozen_weights` is the bytes of the resident frozen block weights that quantize=
+    could shrink (unquantized) and `quantized` the format wrap() will quantize them to (None:
+    none), for the refusal's advice. Buffers count as resident weights; already quantized
+    weights at their quantized size.
+
+    Host: `host_parts` is what the client process itself allocates in host memory beyond tsd's
+    regions, as (what, bytes)."""
 
     parameters: int
     optimizer: Mapping[str, OptimizerLayout]
@@ -159,30 +185,144 @@ class Demand:
     weights_to_move: int = 0
     weights_on_device: int = 0
     largest_grad: int = 0
+    weights_paged: int = 0
+    paged_region_bytes: int = 0
+    paged_inflight: int = 0
+    frozen_weights: int = 0
+    quantized: Optional[str] = None
+    host_parts: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("parameters", "weights_to_move", "weights_on_device", "largest_grad", "weights_paged",
+                     "paged_region_bytes", "paged_inflight", "frozen_weights"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"Demand.{name} is a count (an int >= 0), not {v!r}")
+        for what, n in self.host_parts:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"Demand.host_parts: {what!r} needs bytes (an int >= 0), not {n!r}")
+
+    @property
+    def vram_resident(self) -> int:
+        """The VRAM the run needs before its activations: resident weights, the largest gradient
+        in flight and the paged blocks in flight."""
+        return self.weights_to_move + self.weights_on_device + self.largest_grad + self.paged_inflight
+
+    def tsd_bytes(self, moment_dtype: str) -> int:
+        """What tsd will lend the job at wrap(): the optimizer's state and the paged weights'
+        region."""
+        return self.optimizer[moment_dtype].state_bytes + self.paged_region_bytes
+
+    def host_bytes(self, moment_dtype: str) -> int:
+        """The new host memory the run needs: tsd's regions (allocated, populated and locked when
+        the job takes them) and the client's own host needs."""
+        return self.tsd_bytes(moment_dtype) + sum(n for _, n in self.host_parts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The decisions of `plan()`: the moment dtype and what tsd will hold (`state_bytes`, of the
-    `available` bytes), with the budget and demand they came from."""
+    `available` bytes), the host memory the run takes (`host_bytes`, of `host_room`: None when
+    the node's RAM was not measured), with the budget and demand they came from."""
 
     moment_dtype: str
     state_bytes: int
     available: int
     budget: Budget
     demand: Demand
+    host_bytes: int = 0
+    host_room: Optional[int] = None
 
     def describe(self) -> str:
         layout = self.demand.optimizer[self.moment_dtype]
         parts = ", ".join(f"{what} {format_bytes(n)}" for what, n in layout.parts(self.moment_dtype))
+        host = (f"; host RAM {format_bytes(self.host_bytes)} of {format_bytes(self.host_room)} this process may take"
+                if self.host_room is not None else "")
         return (f"{self.demand.parameters:,} parameters, {self.moment_dtype} moments: {format_bytes(self.state_bytes)} "
-                f"in tsd ({parts}) of {format_bytes(self.available)} available")
+                f"in tsd ({parts}) of {format_bytes(self.available)} available{host}")
+
+
+def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor, int]], device: torch.device,
+                 optimizer: Mapping[str, OptimizerLayout], *, accumulate: bool = False, quantize: Optional[str] = None,
+                 quant_block_size: int = 64, prefer: str = "exact", budget: Optional[Budget] = None,
+                 paged: Collection[int] = frozenset(), paged_inflight: int = 0) -> Demand:
+    """The `Demand` of wrapping `model` for `device`. `trainable`: each trained parameter with the
+    bytes per element of its working copy (param_dtype=); every other parameter (and buffer) of
+    the model is frozen and counted in its dtype, or at its quantized size when it is quantized
+    already or `quantize` ("int8", "nf4", or "auto", decided as wrap() decides it from
+    `budget.vram_usable`) will quantize it. `paged`: the
+    ids (`id(p)`) of the parameters of paged blocks, which stay in tsd memory instead of VRAM (the
+    weight pager's plan); `paged_inflight`: the VRAM its blocks in flight take."""
+    from .quant.auto import choose, weight_bytes  # quant imports this module
+    from .quant.formats import absmax_count
+    from .quant.model import quantizable_linears
+    from .quant.weight import quantized_of
+
+    work = {id(p): n for p, n in trainable}
+    kind = quantize if quantize in ("int8", "nf4") else None
+    if quantize == "auto":
+        room = budget.vram_usable if budget is not None and device.type == "cuda" else None
+        kind = choose(weight_bytes(model, quant_block_size), room, prefer)
+    quantizable = {id(lin.weight) for _, _, lin in quantizable_linears(model, frozen_only=True)}
+    unique: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(model.parameters(), (t for t, _ in trainable), model.buffers()):
+        unique.setdefault(id(t), t)  # each tensor once (tied weights)
+    to_move = on_device = frozen = paged_bytes = paged_region = largest = 0
+    cpu_regrowth = 0
+    for p in unique.values():
+        n, where = p.numel(), p.device
+        q = quantized_of(p)
+        if id(p) in work:
+            nbytes = n * work[id(p)]
+            largest = max(largest, nbytes)
+            if device.type == "cpu" and p.element_size() > work[id(p)]:
+                cpu_regrowth += n * (p.element_size() - work[id(p)])
+        elif q is not None:  # already quantized: its codes and scales, wherever they are
+            nbytes, where = q.nbytes, q.device
+        elif id(p) in quantizable and kind is not None:
+            nbytes = (n if kind == "int8" else (n + 1) // 2) + 4 * absmax_count(n, quant_block_size)
+        else:
+            nbytes = n * p.element_size()
+        if id(p) in paged:
+            paged_bytes += nbytes
+            if id(p) not in work:
+                paged_region += nbytes
+            continue
+        if id(p) in quantizable and q is None and kind is None:
+            frozen += nbytes  # resident, and quantize= could shrink it
+        if where == device:
+            on_device += nbytes
+        else:
+            to_move += nbytes
+    host: list[tuple[str, int]] = [("streaming buffer (unwrap(), the optimizer's save and restore)", STREAM_BUFFER)]
+    if device.type == "cpu":
+        host.append(("the largest gradient", largest))
+        if cpu_regrowth:
+            host.append(("the parameters given back in their own dtype at unwrap()", cpu_regrowth))
+    return Demand(parameters=sum(p.numel() for p, _ in trainable), optimizer=optimizer, accumulate=accumulate,
+                  device=str(device), weights_to_move=to_move if device.type == "cuda" else 0,
+                  weights_on_device=on_device if device.type == "cuda" else to_move + on_device,
+                  largest_grad=largest, weights_paged=paged_bytes, paged_region_bytes=paged_region,
+                  paged_inflight=int(paged_inflight), frozen_weights=frozen, quantized=kind,
+                  host_parts=tuple(host))
+
+
+def host_room(budget: Budget) -> Optional[int]:
+    """The host memory one training process may plan to take: the node's available RAM times
+    RAM_HEADROOM, shared by the node's training processes (None: not measured)."""
+    if budget.ram_available is None:
+        return None
+    return int(budget.ram_available * RAM_HEADROOM) // max(1, budget.processes or 1)
 
 
 def plan(budget: Budget, demand: Demand, moment_dtype: str = "auto", check_memory: bool = True) -> Plan:
-    """Picks the moment dtype ("auto": float32 when tsd can hold it, else bfloat16) and, with
-    `check_memory`, raises QuotaExceeded for what cannot fit (tsd's share, then the weights in
-    VRAM), naming each part, its size, and what would make it fit."""
+    """Picks the moment dtype ("auto": float32 when tsd and the node's RAM can hold it, else
+    bfloat16) and, with `check_memory`, raises MemoryCheckFailed (a QuotaExceeded, so a
+    MemoryError) for what is certain not to fit: the optimizer's state and paged weights against
+    the job's quota and tsd's pool, the resident weights and what is in flight against the free and
+    the usable VRAM, and tsd's new regions plus the client's own host needs against the node's
+    available RAM. The refusal names each part that does not fit, its size, and what would make
+    it fit."""
     if moment_dtype != "auto" and moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"moment_dtype must be 'auto', 'float32' or 'bfloat16', not {moment_dtype!r}")
     missing = [d for d in MOMENT_DTYPES if d not in demand.optimizer]
@@ -191,28 +331,77 @@ def plan(budget: Budget, demand: Demand, moment_dtype: str = "auto", check_memor
     avail = budget.tsd_available
     if avail is None:
         raise ValueError("the budget has no quota or pool_free: measure tsd's side (tsd_budget) or pass them")
-    need = {d: demand.optimizer[d].state_bytes for d in MOMENT_DTYPES}
-    if moment_dtype == "auto":
-        moment_dtype = "float32" if need["float32"] <= avail else "bfloat16"
-    if check_memory and need[moment_dtype] > avail:
-        layout = demand.optimizer[moment_dtype]
-        parts = ", ".join(f"{what} {format_bytes(n)}" for what, n in layout.parts(moment_dtype))
-        raise QuotaExceeded(
-            f"tsd cannot hold this model's optimizer: it needs {format_bytes(need[moment_dtype])} "
-            f"({demand.parameters:,} parameters: {parts}); available: {format_bytes(avail)} (the job's quota "
-            f"{format_bytes(budget.quota or 0)} with {format_bytes(budget.job_used or 0)} used, the pool's free "
-            f"{format_bytes(budget.pool_free or 0)} of {format_bytes(budget.pool_total or 0)}). Start tsd with a larger "
-            f"--pool-size, free other jobs, pass a larger quota=, or pass moment_dtype='bfloat16' (needs "
-            f"{format_bytes(need['bfloat16'])}); check_memory=False skips this check")
-    if check_memory and demand.device.startswith("cuda") and budget.vram_free is not None:
-        if demand.weights_to_move + demand.largest_grad > budget.vram_free:
-            raise QuotaExceeded(
-                f"the model's weights do not fit on {demand.device}: {format_bytes(demand.weights_to_move)} to move there plus "
-                f"{format_bytes(demand.largest_grad)} for the largest gradient in flight, with "
-                f"{format_bytes(budget.vram_free)} free ({format_bytes(demand.weights_on_device)} already there). tsd "
-                f"offloads the optimizer, not the weights; check_memory=False skips this check")
-    return Plan(moment_dtype=moment_dtype, state_bytes=need[moment_dtype], available=avail, budget=budget,
-                demand=demand)
+    room = host_room(budget)
+    auto = moment_dtype == "auto"
+    if auto:
+        fp32_fits = demand.tsd_bytes("float32") <= avail and (room is None or demand.host_bytes("float32") <= room)
+        moment_dtype = "float32" if fp32_fits else "bfloat16"
+    out = Plan(moment_dtype=moment_dtype, state_bytes=demand.optimizer[moment_dtype].state_bytes, available=avail,
+               budget=budget, demand=demand, host_bytes=demand.host_bytes(moment_dtype), host_room=room)
+    if check_memory:
+        refusals = _refusals(out, auto)
+        if refusals:
+            raise MemoryCheckFailed(
+                "this model cannot be trained here as configured (check_memory=False skips these checks): "
+                + " ".join(f"({i}) {r.message}" for i, r in enumerate(refusals, 1)), refusals)
+    return out
+
+
+def _refusals(p: Plan, auto: bool) -> list[Refusal]:
+    """Every check of `plan()` that fails, each with its remedies."""
+    b, d, md = p.budget, p.demand, p.moment_dtype
+    out = []
+    bf16 = md == "float32" and not auto  # "auto" already chose bf16 when fp32 did not fit
+    quantizable = d.frozen_weights > 0 and d.quantized is None
+    if d.tsd_bytes(md) > p.available:
+        layout = d.optimizer[md]
+        parts = ", ".join(f"{what} {format_bytes(n)}" for what, n in layout.parts(md))
+        if d.paged_region_bytes:
+            parts += f", paged frozen weights {format_bytes(d.paged_region_bytes)}"
+        fix = ["start tsd with a larger --pool-size, free other jobs or pass a larger quota="]
+        if bf16:
+            fix.append(f"pass moment_dtype='bfloat16' (needs {format_bytes(d.tsd_bytes('bfloat16'))})")
+        out.append(Refusal(
+            "tsd", d.tsd_bytes(md), p.available,
+            f"tsd cannot hold this model's optimizer: it needs {format_bytes(d.tsd_bytes(md))} "
+            f"({d.parameters:,} parameters: {parts}); available: {format_bytes(p.available)} (the job's quota "
+            f"{format_bytes(b.quota or 0)} with {format_bytes(b.job_used or 0)} used, the pool's free "
+            f"{format_bytes(b.pool_free or 0)} of {format_bytes(b.pool_total or 0)}). To fit: {'; or '.join(fix)}."))
+    if d.device.startswith("cuda"):
+        vram_fix = ["page blocks' weights to tsd memory (param_offload='auto')"]
+        if quantizable:
+            vram_fix.append(f"quantize the frozen base (quantize='int8' or 'nf4'; it is {format_bytes(d.frozen_weights)})")
+        inflight = f", {format_bytes(d.paged_inflight)} for paged blocks in flight" if d.paged_inflight else ""
+        if b.vram_free is not None and d.weights_to_move + d.largest_grad + d.paged_inflight > b.vram_free:
+            need = d.weights_to_move + d.largest_grad + d.paged_inflight
+            out.append(Refusal(
+                "vram_free", need, b.vram_free,
+                f"the model's weights do not fit on {d.device}: {format_bytes(d.weights_to_move)} to move there plus "
+                f"{format_bytes(d.largest_grad)} for the largest gradient in flight{inflight}, with "
+                f"{format_bytes(b.vram_free)} free ({format_bytes(d.weights_on_device)} already there). To fit: "
+                f"{'; or '.join(vram_fix + ['free the device (other processes, cached tensors)'])}."))
+        elif b.vram_usable is not None and d.vram_resident > b.vram_usable:
+            paged = f" ({format_bytes(d.weights_paged)} of weights paged)" if d.weights_paged else ""
+            out.append(Refusal(
+                "vram_usable", d.vram_resident, b.vram_usable,
+                f"the model's weights do not fit in {d.device}'s usable VRAM: resident weights "
+                f"{format_bytes(d.weights_to_move + d.weights_on_device)}{paged} plus {format_bytes(d.largest_grad)} for "
+                f"the largest gradient in flight{inflight} need {format_bytes(d.vram_resident)}, of "
+                f"{format_bytes(b.vram_usable)} usable ({int(VRAM_HEADROOM * 100)}% of the device's memory under any "
+                f"per-process memory fraction), before any activation. To fit: {'; or '.join(vram_fix)}."))
+    if p.host_room is not None and p.host_bytes > p.host_room:
+        own = ", ".join(f"{what} {format_bytes(n)}" for what, n in d.host_parts)
+        fix = ["free host memory (other processes, tsd's other jobs)"]
+        if bf16:
+            fix.append(f"pass moment_dtype='bfloat16' (needs {format_bytes(d.host_bytes('bfloat16'))})")
+        procs = f", shared by {b.processes} training processes" if (b.processes or 1) > 1 else ""
+        out.append(Refusal(
+            "host", p.host_bytes, p.host_room,
+            f"the node's host RAM cannot hold this run: it needs {format_bytes(p.host_bytes)} (tsd's regions for the "
+            f"job {format_bytes(d.tsd_bytes(md))} ({md} moments){', the client process: ' + own if own else ''}) of "
+            f"{format_bytes(p.host_room)} this process may take ({int(RAM_HEADROOM * 100)}% of the "
+            f"{format_bytes(b.ram_available or 0)} available{procs}). To fit: {'; or '.join(fix)}."))
+    return out
 
 
 def stock_adamw_extra_bytes(params: Iterable[tuple[int, int, int]]) -> int:
@@ -231,3 +420,41 @@ def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool
     fits = peak + extra <= usable
     return fits, (f"peak {format_bytes(peak)} + stock AdamW's gradients and moments {format_bytes(extra)} "
                   f"{'<=' if fits else '>'} usable VRAM {format_bytes(usable)}")
+
+
+def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[int],
+                        tsd_room: Optional[int] = None) -> tuple[list[int], str]:
+    """`activation_offload="auto"`'s decision after the first step: which blocks' saved
+    activations to page, given the step's VRAM `peak`, the `usable` VRAM (None: a CPU device, no
+    VRAM to save) and the bytes each block saved (`ActivationProfiler.block_bytes`). Nothing when
+    the peak fits; else the first blocks (their activations are made first and needed last) until
+    what they page covers the excess, or every block that saved anything when even that falls
+    short; never more than `tsd_room` bytes (what tsd can still lend the job; None: no limit).
+    Returns (block indices, explanation)."""
+    if usable is None:
+        return [], "the device is the CPU: paging saves no VRAM"
+    if peak <= usable:
+        return [], f"the first step's peak {format_bytes(peak)} fits in the usable VRAM {format_bytes(usable)}"
+    excess = peak - usable
+    chosen: list[int] = []
+    paged = 0
+    capped = False
+    for i, n in enumerate(block_bytes):
+        if paged >= excess:
+            break
+        if n <= 0:
+            continue
+        if tsd_room is not None and paged + n > tsd_room:
+            capped = True
+            break
+        chosen.append(i)
+        paged += n
+    why = (f"the first step's peak {format_bytes(peak)} exceeds the usable VRAM {format_bytes(usable)} by "
+           f"{format_bytes(excess)}; the chosen blocks saved {format_bytes(paged)}")
+    if capped:
+        why += (f" (as many blocks as the {format_bytes(tsd_room or 0)} tsd can still lend the job hold: pass a larger "
+                f"quota= or start tsd with a larger --pool-size to page more)")
+    elif paged < excess:
+        why += (" (less than the excess, even with every block: lower the batch, use gradient checkpointing or "
+                "page weights with param_offload)")
+    return chosen, why

@@ -8,7 +8,8 @@
    fit. `plan_wrap()` stops here and returns the plan.
 3. Apply: attach the job, register the optimizer (`engine.Session` drives it from then on), cast
    working copies (`param_dtype=`), hook the gradients, and page activations into a host arena
-   of the job (`memory.HostArena`, `paging.activations`).
+   of the job (`memory.HostArena`, `paging.activations`), or, with activation_offload="auto",
+   profile them during the first step (`TsdAdamW.step` decides then).
 
 This module is `wiring`, not `wrap`: a submodule named `wrap` would be shadowed by (and shadow)
 the function `trainstream.wrap`.
@@ -30,10 +31,9 @@ from . import planner
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
-from .memory import HostArena
 from .optim import TsdAdamW
-from .paging.activations import ActivationPager, choose_blocks, find_blocks
-from .planner import Budget, Demand, Plan
+from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
+from .planner import Budget, Plan
 from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
@@ -44,7 +44,7 @@ _jobs = itertools.count()
 # wrap()'s options and their defaults (TrainStream's names, then tsd's own).
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
-    "param_offload": False, "activation_offload": False, "quantize": None, "prefer": "exact", "quant_block_size": 64,
+    "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
 
 
@@ -63,6 +63,7 @@ class _Prepared:
     amsgrad: bool
     maximize: bool
     paged_blocks: Optional[tuple[Optional[str], torch.nn.ModuleList, list[int]]]
+    model: torch.nn.Module
 
     @property
     def accumulate(self) -> bool:
@@ -123,18 +124,6 @@ def _hyper(g: dict[str, Any]) -> dict[str, float]:
             "weight_decay": float(g["weight_decay"])}
 
 
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], None
-    for i, x in enumerate(indices):
-        if start is None:
-            start = x
-        if i + 1 == len(indices) or indices[i + 1] != x + 1:
-            out.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ", ".join(out)
-
-
 def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
     """The Session of a wrapped model (None when it is not wrapped)."""
     return getattr(model, "_trainstream_session", None)
@@ -188,7 +177,7 @@ def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: U
                      groups=[_hyper(g) for g in optimizer.param_groups],
                      amsgrad=any(g.get("amsgrad", False) for g in optimizer.param_groups),
                      maximize=any(g.get("maximize", False) for g in optimizer.param_groups),
-                     paged_blocks=paged_blocks)
+                     paged_blocks=paged_blocks, model=model)
 
 
 def _job_name(opts: dict[str, Any]) -> str:
@@ -205,14 +194,10 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
         measured = measured.merged(planner.measure_device(prep.device))
     measured = measured.merged(planner.measure_host())
     layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
-    size = [DTYPE_BYTES[d] for d in prep.dtypes]
-    params = [p for p, _, _ in prep.buckets]
-    demand = Demand(
-        parameters=sum(p.numel() for p in params), optimizer=layouts, accumulate=prep.accumulate,
-        device=str(prep.device),
-        weights_to_move=sum(p.numel() * s for p, s in zip(params, size) if p.device != prep.device),
-        weights_on_device=sum(p.numel() * s for p, s in zip(params, size) if p.device == prep.device),
-        largest_grad=max((p.numel() * s for p, s in zip(params, size)), default=0))
+    demand = planner.model_demand(
+        prep.model, [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets, prep.dtypes)], prep.device, layouts,
+        accumulate=prep.accumulate, quantize=prep.opts["quantize"], quant_block_size=int(prep.opts["quant_block_size"]),
+        prefer=prep.opts["prefer"], budget=measured)
     return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
 
 
@@ -240,7 +225,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     torch.optim.Optimizer whose step() waits for the daemon's updates and copies them back.
 
     Options (TrainStream's names): offload="auto" | True, moment_dtype="auto" | "float32" |
-    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True, activation_offload,
+    "bfloat16", max_grad_norm=None, accumulation_steps=1, check_memory=True (refuse, before allocating
+    anything, what cannot fit: trainstream.MemoryCheckFailed), activation_offload="auto" (pages
+    activations only when the first step's peak exceeds the usable VRAM) | False | True | fraction |
+    [block indices],
     quantize=None | "none" | "auto" | "int8" | "nf4" (frozen block weights; "auto" when they cannot
     fit in VRAM otherwise), prefer="exact" | "speed", quant_block_size=64;
     and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
@@ -297,23 +285,18 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     for ps in session.params:
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
     if prep.paged_blocks is not None:
-        name, block_list, chosen = prep.paged_blocks
-        session.arena = HostArena(
-            client, purpose="activation paging",
-            advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
-                   "blocks (activation_offload=), or train with a smaller batch")
-        session.pager = ActivationPager(model, [block_list[i] for i in chosen], device, host=session.arena)
-        session.pager.install()
-        session.events.append(f"activation_offload: the saved activations of blocks {_ranges(chosen)} of "
-                              f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
-                              f"lent by tsd")
+        page_blocks(session, model, *prep.paged_blocks)
+    elif opts["activation_offload"] == "auto":
+        profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
+    host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
+            if plan.host_room is not None else "")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
                           f"{plan.moment_dtype} moments, "
                           f"{'working copies in ' + TSD_DTYPES[work] + ' on ' + str(device) + ', ' if work else ''}"
                           f"{format_bytes(handle.state_bytes)} in tsd (job {client.job!r}, "
-                          f"{format_bytes(plan.available)} was available), "
+                          f"{format_bytes(plan.available)} was available), {host}"
                           f"AdamW on {handle.threads} daemon threads ({handle.isa})")
     setattr(model, "_trainstream_session", session)
     return model, wrapped
@@ -321,17 +304,18 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """Gives the model back with its (updated) parameters on its device, removes the hooks and
-    releases the job's memory in tsd. The wrapped optimizer cannot step afterwards."""
+    releases the job's memory in tsd. The wrapped optimizer cannot step afterwards. Parameters
+    cast by param_dtype= get their own dtype back one by one, straight from tsd's memory: no
+    host copy of the model or of the optimizer's state is made."""
     session = unwrap_session(model)
     if session is None:
         raise ValueError("this model is not wrapped by trainstream")
     try:
         if session.offloading and session.handle is not None and not session.closed:
             try:
-                if any(ps.param.dtype != ps.orig_dtype for ps in session.params):
-                    session.restore_dtypes(session.read_state())  # idles first
-                else:
-                    session.idle()
+                session.idle()
+                for ps in session.params:
+                    _give_back(ps)
             except TsdError as e:
                 cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
                 warnings.warn(f"trainstream.unwrap: {e}{cast}")
@@ -340,3 +324,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.closed = True
         del model._trainstream_session
     return model
+
+
+def _give_back(ps: ParamSlots) -> None:
+    """A parameter cast by param_dtype= gets its own dtype back with its fp32 master's values,
+    copied straight from tsd's memory (mapped in this process) into the new tensor: on the CPU
+    into the parameter's own new storage, on CUDA host-to-device, then cast on the device. No
+    host copy beyond the parameter itself."""
+    p = ps.param
+    if p.dtype == ps.orig_dtype:
+        return
+    src = ps.master.view(p.shape)
+    if p.device.type == "cpu":
+        out = torch.empty(p.shape, dtype=ps.orig_dtype)
+        out.copy_(src)
+    else:
+        out = src.to(p.device).to(ps.orig_dtype)
+    p.data = out

@@ -235,3 +235,95 @@ class ActivationPager:
         # One copy back serves every operation that saved the tensor; the last one lets it go.
         page.cached = out if page.uses > 0 else None
         return out
+
+
+class ActivationProfiler(ActivationPager):
+    """`activation_offload="auto"`'s first step: measures, per block, the bytes of saved
+    activations the pager would page (the same choice of tensors: dense, at least `min_bytes`, not
+    weights, each once), and pages nothing. `block_bytes[i]` is block i's largest forward (one
+    micro-batch) so far. Installed and removed like the pager (it is one, that keeps every tensor)."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
+                 name: Optional[str] = None, min_bytes: int = _MIN_BYTES) -> None:
+        super().__init__(model, blocks, device, min_bytes=min_bytes)
+        self.name = name
+        self.block_bytes = [0] * len(self.blocks)
+        self._index = {id(b): i for i, b in enumerate(self.blocks)}
+        self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
+        self._seen: dict[tuple, torch.Tensor] = {}   # what the running forward saved (counted once)
+        self.forwards = 0
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        super()._enter(module, args)
+        self._running.append((self._index[id(module)], 0))
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._running:
+            i, n = self._running.pop()
+            if self.hook_ctx and self.hook_ctx[-1] is not None:
+                self.block_bytes[i] = max(self.block_bytes[i], n)
+                self.forwards += 1
+        if not self._running:
+            self._seen.clear()
+        super()._exit(module, args, output)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self._keep(t) or not self._running:
+            return t
+        key = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), t.stride())
+        if key not in self._seen:
+            self._seen[key] = t
+            i, n = self._running[-1]
+            self._running[-1] = (i, n + t.numel() * t.element_size())
+        return t
+
+
+def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
+                chosen: Sequence[int], why: str = "", min_bytes: int = _MIN_BYTES) -> None:
+    """Pages the saved activations of blocks `chosen` of `block_list` into a host arena of the
+    session's job (what wrap(activation_offload=...) installs, and "auto" after its first step),
+    tensors of at least `min_bytes`. `session` is the wrapped model's `engine.Session`; the
+    decision is logged in its events."""
+    from ..memory import HostArena
+
+    session.arena = HostArena(
+        session.client, purpose="activation paging",
+        advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
+               "blocks (activation_offload=), or train with a smaller batch")
+    session.pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, min_bytes=min_bytes,
+                                    host=session.arena)
+    session.pager.install()
+    session.events.append(f"activation_offload: the saved activations of blocks {block_ranges(list(chosen))} of "
+                          f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
+                          f"lent by tsd{why}")
+
+
+def profile_blocks(session: Any, model: nn.Module) -> None:
+    """activation_offload="auto" at wrap(): on a CUDA device, installs an `ActivationProfiler` on
+    the model's block stack for the first step (`TsdAdamW.step` then decides); on the CPU, or
+    without a block stack, pages nothing. Logs the decision in the session's events."""
+    name, blocks = find_blocks(model)
+    if blocks is None:
+        session.events.append("activation_offload=auto: the model has no repeated block stack (an nn.ModuleList "
+                              "of blocks); nothing paged")
+        return
+    if session.device.type != "cuda":
+        session.events.append("activation_offload=auto: the device is the CPU, where paging saves no VRAM; "
+                              "nothing paged")
+        return
+    session.pager = ActivationProfiler(model, list(blocks), session.device, name=name)
+    session.pager.install()
+    session.events.append(f"activation_offload=auto: measuring the saved activations of the {len(blocks)} blocks "
+                          f"of {name or 'the model'} during the first step")
+
+
+def block_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)

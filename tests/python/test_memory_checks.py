@@ -1,0 +1,337 @@
+"""wrap(check_memory=True): what is certain not to fit is refused before anything is allocated
+(the optimizer's state against tsd's pool and the job's quota, the resident weights against the
+usable and free VRAM, tsd's regions and the client's own host needs against the node's RAM);
+moment_dtype="auto" follows the pool, the quota and the RAM; activation_offload="auto" profiles the
+first step and pages what the VRAM budget needs. The seed's planner tests, adapted to tsd and
+runnable on a CPU; the CUDA variants skip without a GPU."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import trainstream
+import trainstream.planner as planner
+from gpt import batches, make_gpt, param_groups, train
+from trainstream.client import OptimizerLayout
+from trainstream.paging.activations import ActivationProfiler
+from trainstream.planner import Budget, Demand
+
+MiB = 1 << 20
+GiB = 1 << 30
+HP = dict(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.05)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+
+
+def layout(total):
+    return OptimizerLayout(state_bytes=total, control_bytes=4096, master_bytes=total // 2, moment_bytes=total // 8,
+                           grad_bytes=total // 8, param_bytes=total // 8 - 4096, accum_bytes=0, buckets=((0, 0, 0),))
+
+
+OPT = {"float32": layout(200 * MiB), "bfloat16": layout(160 * MiB)}
+
+
+def budget(**kw):
+    base = dict(quota=GiB, job_used=0, pool_free=GiB, pool_total=GiB)
+    base.update(kw)
+    return Budget(**base)
+
+
+def demand(**kw):
+    return Demand(parameters=10_000_000, optimizer=OPT, **kw)
+
+
+# --------------------------------------------------------------------------- the pure checks
+def test_host_ram_counts_tsd_regions_and_the_clients_own_needs():
+    d = demand(host_parts=(("streaming buffer", 64 * MiB),))
+    assert d.host_bytes("float32") == 264 * MiB and d.host_bytes("bfloat16") == 224 * MiB
+    room = int(250 * MiB / planner.RAM_HEADROOM) + 1  # 250 MiB this process may take
+    p = planner.plan(budget(ram_available=room), d)
+    assert p.moment_dtype == "bfloat16" and p.host_bytes == 224 * MiB  # fp32 would not fit the RAM
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:
+        planner.plan(budget(ram_available=room), d, moment_dtype="float32")
+    msg = str(e.value)
+    for part in ("host RAM", "needs 264.00 MiB", "tsd's regions for the job 200.00 MiB", "streaming buffer 64.00 MiB",
+                 "moment_dtype='bfloat16' (needs 224.00 MiB)", "check_memory=False"):
+        assert part in msg, part
+    assert [r.what for r in e.value.refusals] == ["host"]
+    assert isinstance(e.value, MemoryError) and isinstance(e.value, trainstream.QuotaExceeded)
+    # Training processes of one node share its RAM.
+    with pytest.raises(trainstream.MemoryCheckFailed, match="shared by 2 training processes"):
+        planner.plan(budget(ram_available=int(400 * MiB / planner.RAM_HEADROOM), processes=2), d)
+    assert planner.plan(budget(ram_available=room), d, moment_dtype="float32", check_memory=False).host_bytes \
+        == 264 * MiB
+
+
+def test_bf16_advice_only_when_not_already_assumed():
+    d = demand()
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:  # auto already chose bf16: no such advice
+        planner.plan(budget(ram_available=100 * MiB), d)
+    assert "moment_dtype='bfloat16'" not in str(e.value) and "(bfloat16 moments)" in str(e.value)
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:
+        planner.plan(budget(ram_available=100 * MiB), d, moment_dtype="float32")
+    assert "moment_dtype='bfloat16'" in str(e.value)
+
+
+def test_every_failing_part_is_named_at_once():
+    d = demand(device="cuda:0", weights_on_device=3 * GiB, largest_grad=GiB // 2, frozen_weights=2 * GiB)
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:
+        planner.plan(budget(quota=100 * MiB, ram_available=100 * MiB, vram_usable=2 * GiB, vram_free=GiB), d,
+                     moment_dtype="float32")
+    err = e.value
+    assert [r.what for r in err.refusals] == ["tsd", "vram_usable", "host"]
+    msg = str(err)
+    assert "(1) tsd cannot hold" in msg and "(2) the model's weights do not fit in cuda:0's usable VRAM" in msg
+    assert "(3) the node's host RAM" in msg
+    assert "larger quota=" in msg and "param_offload='auto'" in msg and "quantize='int8' or 'nf4'" in msg
+    assert "resident weights 3.00 GiB" in msg and "of 2.00 GiB usable" in msg
+    vram = err.refusals[1]
+    assert (vram.needed, vram.available) == (3 * GiB + GiB // 2, 2 * GiB)
+    # An already quantized base gets no advice to quantize it.
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:
+        planner.plan(budget(vram_usable=2 * GiB), dataclasses.replace(d, quantized="nf4"))
+    assert "quantize=" not in str(e.value) and "param_offload='auto'" in str(e.value)
+
+
+def test_paged_weights_leave_vram_and_count_in_tsd():
+    """The weight pager's split: paged weights are not resident; frozen ones take a region of
+    their own in tsd (and host RAM); the blocks in flight take VRAM."""
+    d = demand(device="cuda:0", weights_on_device=GiB, largest_grad=100 * MiB, weights_paged=4 * GiB,
+               paged_region_bytes=3 * GiB, paged_inflight=200 * MiB)
+    assert d.vram_resident == GiB + 300 * MiB
+    assert d.tsd_bytes("bfloat16") == 160 * MiB + 3 * GiB
+    assert planner.plan(budget(quota=4 * GiB, pool_free=4 * GiB, vram_usable=2 * GiB), d).moment_dtype == "float32"
+    with pytest.raises(trainstream.MemoryCheckFailed, match="paged frozen weights 3.00 GiB"):
+        planner.plan(budget(quota=3 * GiB, pool_free=4 * GiB), d)
+    with pytest.raises(trainstream.MemoryCheckFailed, match="4.00 GiB of weights paged"):
+        planner.plan(budget(quota=4 * GiB, pool_free=4 * GiB, vram_usable=GiB), d)
+    with pytest.raises(ValueError, match="paged_inflight"):
+        demand(paged_inflight=-1)
+    with pytest.raises(ValueError, match="host_parts"):
+        demand(host_parts=(("x", -5),))
+
+
+class Tower(nn.Module):
+    def __init__(self, n=4, d=64):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                    for _ in range(n))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for blk in self.layers:
+            x = x + blk(x)
+        return x
+
+
+def test_model_demand_counts_every_weight_where_it_will_live():
+    model = Tower()
+    model.embed.requires_grad_(False)  # a frozen part outside the blocks
+    for blk in model.layers:
+        blk[0].weight.requires_grad_(False)  # frozen, quantizable block linears
+    trainable = [(p, 2) for p in model.parameters() if p.requires_grad]  # param_dtype=bf16
+    tb = sum(p.numel() * 2 for p, _ in trainable)
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    d = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT)
+    w = model.layers[0][0].weight.numel()
+    assert d.weights_to_move == tb + frozen and d.weights_on_device == 0
+    assert d.frozen_weights == 4 * w * 4  # the frozen block linears (what quantize= could shrink), not the embed
+    assert d.largest_grad == max(p.numel() * 2 for p, _ in trainable)
+    assert d.parameters == sum(p.numel() for p, _ in trainable)
+    # int8: the frozen block linears take a byte per element plus an fp32 absmax per 64.
+    q = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, quantize="int8")
+    int8 = w + 4 * (w // 64)
+    assert q.quantized == "int8" and d.weights_to_move - q.weights_to_move == 4 * (4 * w - int8)
+    assert q.frozen_weights == 0  # nothing left to advise quantizing
+    # "auto" quantizes only what does not fit the usable VRAM.
+    roomy = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, quantize="auto",
+                                 budget=Budget(vram_usable=GiB))
+    assert roomy.quantized is None
+    tight = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, quantize="auto",
+                                 budget=Budget(vram_usable=d.weights_to_move - 1))
+    assert tight.quantized in ("int8", "nf4") and tight.weights_to_move < d.weights_to_move
+    # The pager's split: block 1 paged.
+    paged = {id(p) for p in model.layers[1].parameters()}
+    pg = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, paged=paged, paged_inflight=123)
+    blk = model.layers[1]
+    blk_bytes = blk[0].weight.numel() * 4 + sum(p.numel() * 2 for p in blk.parameters() if p.requires_grad)
+    assert pg.weights_paged == blk_bytes and pg.weights_to_move == d.weights_to_move - blk_bytes
+    assert pg.paged_region_bytes == blk[0].weight.numel() * 4 and pg.paged_inflight == 123
+    # On the CPU: nothing in VRAM; the host parts count the gradient and the dtype given back.
+    c = planner.model_demand(model, trainable, torch.device("cpu"), OPT)
+    assert c.weights_to_move == 0 and c.weights_on_device == tb + frozen
+    host = dict(c.host_parts)
+    assert host["the largest gradient"] == d.largest_grad
+    assert host["the parameters given back in their own dtype at unwrap()"] == sum(p.numel() * 2 for p, _ in trainable)
+    assert any("streaming buffer" in k for k in host)
+    # A model quantized already counts its codes and scales; buffers count too.
+    model.register_buffer("table", torch.zeros(1000))
+    trainstream.quantize_model(model, "int8", 64, frozen_only=True)
+    pre = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT)
+    assert pre.weights_to_move == q.weights_to_move + 4000 and pre.frozen_weights == 0
+
+
+def test_activation_decision_from_the_first_steps_peak():
+    blocks = [100 * MiB] * 8
+    assert planner.activations_to_page(5 * GiB, None, blocks)[0] == []  # CPU: no VRAM to save
+    chosen, why = planner.activations_to_page(GiB, 2 * GiB, blocks)
+    assert chosen == [] and "fits" in why
+    chosen, why = planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, blocks)
+    assert chosen == [0, 1, 2] and "exceeds" in why  # the first blocks: made first, needed last
+    chosen, why = planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, [0, 200 * MiB, 0, 100 * MiB])
+    assert chosen == [1, 3]  # blocks that saved nothing are skipped
+    chosen, why = planner.activations_to_page(4 * GiB, 2 * GiB, blocks)
+    assert chosen == list(range(8)) and "less than the excess" in why
+    # Never more than tsd can still lend the job.
+    chosen, why = planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, blocks, tsd_room=250 * MiB)
+    assert chosen == [0, 1] and "larger quota=" in why
+    assert planner.activations_to_page(2 * GiB + 250 * MiB, 2 * GiB, blocks, tsd_room=GiB)[0] == [0, 1, 2]
+
+
+def test_profiler_measures_each_block_and_changes_nothing():
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", min_bytes=1)
+    prof.install()
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert prof.paged_tensors == 0 and prof.forwards == 4
+    assert all(n > 0 for n in prof.block_bytes) and len(set(prof.block_bytes)) == 1  # equal blocks, equal bytes
+    # Each block saves its input, the first linear's output and the GELU's output (32x64 + 2x 32x256 fp32).
+    assert prof.block_bytes[0] == 4 * (32 * 64 + 2 * 32 * 256)
+    with torch.no_grad():
+        model(torch.randn(64, 64))  # inference saves nothing and counts nothing
+    assert prof.forwards == 4
+    prof.remove()
+    assert not prof.handles
+
+
+# --------------------------------------------------------------------------- wrap() on the CPU
+def tower_of_linears():
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+
+def test_wrap_refuses_what_cannot_fit_in_ram(tsd, monkeypatch):
+    monkeypatch.setattr(planner, "available_ram_bytes", lambda: 64 << 20)  # 64 MiB "free"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    model = tower_of_linears()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(MemoryError, match="host RAM") as e:
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                         offload=True, activation_offload=False)
+    assert isinstance(e.value, trainstream.MemoryCheckFailed) and "the client process" in str(e.value)
+    # Nothing was allocated or changed.
+    assert trainstream.unwrap_session(model) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert c.status().jobs == 0 and c.status().used_bytes == 0
+    # The explicit opt-out still wraps.
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, activation_offload=False, check_memory=False)
+    trainstream.unwrap(model)
+
+
+def test_moment_precision_follows_available_ram(tsd, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    model = tower_of_linears()
+    p = trainstream.plan_wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                              moment_dtype="float32", check_memory=False)
+    fp32, bf16 = p.demand.host_bytes("float32"), p.demand.host_bytes("bfloat16")
+    assert bf16 < fp32
+    # Room for bf16 moments, not for fp32 ones.
+    room = int((fp32 + bf16) / 2 / planner.RAM_HEADROOM)
+    monkeypatch.setattr(planner, "available_ram_bytes", lambda: room)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, activation_offload=False)
+    try:
+        assert opt.moment_dtype == "bfloat16"
+    finally:
+        trainstream.unwrap(model)
+    monkeypatch.setattr(planner, "available_ram_bytes", lambda: 64 << 30)
+    model = tower_of_linears()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, activation_offload=False)
+    try:
+        assert opt.moment_dtype == "float32"
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_activation_offload_auto_is_the_default_and_pages_nothing_on_the_cpu(tsd):
+    model = make_gpt(0)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                  socket=tsd.socket)
+    session = trainstream.unwrap_session(model)
+    try:
+        assert session.pager is None
+        assert any("activation_offload=auto" in e and "nothing paged" in e for e in session.events)
+        assert any(e.startswith("wrap:") and "host RAM" in e and "this process may take" in e for e in session.events)
+        train(model, opt, batches(2), 2)
+        assert session.pager is None and session.arena is None
+    finally:
+        trainstream.unwrap(model)
+
+
+# --------------------------------------------------------------------------- CUDA
+@cuda
+def test_cuda_wrap_refuses_weights_beyond_the_usable_vram(tsd):
+    model = tower_of_linears().cuda()
+    with pytest.raises(trainstream.MemoryCheckFailed, match="usable VRAM") as e:
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda", socket=tsd.socket,
+                         budget=Budget(vram_usable=8 * MiB))
+    assert "param_offload='auto'" in str(e.value)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda", socket=tsd.socket,
+                                  budget=Budget(vram_usable=8 * MiB), check_memory=False, offload=True)
+    trainstream.unwrap(model)
+
+
+@cuda
+def test_cuda_wrap_counts_the_per_process_memory_fraction(tsd):
+    """A set_per_process_memory_fraction cap below the model: wrap() refuses before moving it."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    model = tower_of_linears()  # 33.6 MB of fp32 weights, on the CPU
+    torch.cuda.set_per_process_memory_fraction(16 * MiB / total, 0)
+    try:
+        b = planner.measure_device("cuda")
+        assert b.vram_usable <= int(16 * MiB * planner.VRAM_HEADROOM) + 1 and b.vram_free <= 16 * MiB
+        with pytest.raises(trainstream.MemoryCheckFailed, match="do not fit") as e:
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cuda", socket=tsd.socket)
+        assert e.value.refusals[0].what in ("vram_free", "vram_usable")
+        assert all(p.device.type == "cpu" for p in model.parameters())  # nothing moved
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+
+
+@cuda
+def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd):
+    """Under a usable VRAM below the first step's peak, "auto" pages the first blocks'
+    activations from the second step on, and the run equals an unpaged one bit for bit; with
+    room, it pages nothing."""
+    data = batches(4, batch=256, device="cuda")
+    out = {}
+    for usable in (1 << 40, 1 << 20):
+        model = make_gpt(0, d=256, layers=4, heads=4).cuda()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, offload=True, budget=Budget(vram_usable=usable),
+                                      check_memory=False)
+        session = trainstream.unwrap_session(model)
+        try:
+            assert isinstance(session.pager, ActivationProfiler)
+            session.pager.min_bytes = 1024
+            losses = train(model, opt, data, 4)
+            out[usable] = (losses, [p.detach().clone() for p in model.parameters()])
+            if usable == 1 << 40:
+                assert session.pager is None and any("nothing paged" in e for e in session.events)
+            else:
+                assert session.pager is not None and not isinstance(session.pager, ActivationProfiler)
+                assert session.pager.paged_bytes > 0 and session.arena is not None
+                assert any("activation_offload=auto after the first step" in e for e in session.events)
+        finally:
+            trainstream.unwrap(model)
+    (l0, p0), (l1, p1) = out[1 << 40], out[1 << 20]
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
