@@ -231,3 +231,6 @@ def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool
     fits = peak + extra <= usable
     return fits, (f"peak {format_bytes(peak)} + stock AdamW's gradients and moments {format_bytes(extra)} "
                   f"{'<=' if fits else '>'} usable VRAM {format_bytes(usable)}")
+
+# The block planner of weight paging (param_offload="auto"), under the names TrainStream gives it here.
+from .blockplan import MemoryPlanner, spread  # noqa: E402,F401
