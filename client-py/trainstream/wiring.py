@@ -344,7 +344,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.params.append(ps)
         session.by_param[id(p)] = ps
     if session.pager is not None:
-        _start_weight_paging(session, opts, first_paged)
+        try:
+            _start_weight_paging(session, opts, first_paged)
+        except BaseException:
+            session.release()  # the blocks paged so far come back; the job goes (QuotaExceeded for frozen weights)
+            raise
     if device.type == "cuda":
         model.to(device)  # what is not paged
     wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)

@@ -511,13 +511,13 @@ def test_cuda_eval_and_generation(tsd):
 def test_cuda_a_model_on_the_cpu_is_accepted_and_never_moved_whole(tsd):
     """A model passed on the CPU: resident blocks go to the GPU, paged ones straight into tsd's
     memory; the GPU never holds the whole model."""
+    torch.manual_seed(0)
+    model = Stack(d=512, n=8)  # 8 blocks of 8 MiB
+    ref = copy.deepcopy(model)
+    whole = sum(p.numel() * 4 for p in model.parameters())
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch.manual_seed(0)
-    model = Stack(d=512, n=8)  # 8 blocks of 8 MiB
-    ref = copy.deepcopy(model).cuda()
-    whole = sum(p.numel() * 4 for p in model.parameters())
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
                                   socket=tsd.socket, offload=True, param_offload=[0, 1, 2, 3, 4, 5])
     try:
@@ -526,6 +526,7 @@ def test_cuda_a_model_on_the_cpu_is_accepted_and_never_moved_whole(tsd):
                                       f"{whole / 2**20:.1f} MiB): paged blocks must go straight to tsd"
         assert all(p.is_cuda for p in model.blocks[7].parameters()) and storage_bytes(model.blocks[7]) > 0
         assert storage_bytes(model.blocks[0]) == 0 and model.emb.weight.is_cuda
+        ref = ref.cuda()
         opt_ref = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
         data = tokens(3, device="cuda")
         assert lm_steps(model, opt, data) == pytest.approx(lm_steps(ref, opt_ref, data), abs=1e-4)
@@ -537,7 +538,7 @@ CAP_SCRIPT = textwrap.dedent(r"""
     import json, sys, torch
     sys.path[:0] = [ROOT, HERE]
     import trainstream
-    from test_weight_paging import Stack, tokens, lm_steps, HP
+    from test_weight_paging import Stack, tokens, lm_steps, HP, CAP_DATA
     cap = CAP
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
     torch.manual_seed(0)
@@ -549,41 +550,59 @@ CAP_SCRIPT = textwrap.dedent(r"""
     plans = []
     def between(k):
         plans.append(sorted(s.pager.paged))
-    losses = lm_steps(model, opt, tokens(14, batch=4, seq=64, device="cuda"), between)
+    losses = lm_steps(model, opt, tokens(14, device="cuda", **CAP_DATA), between)
     opt.synchronize()
     print("@@" + json.dumps(dict(first=first, final=sorted(s.pager.paged), settled=s.planner.done, losses=losses,
                                  events=s.events, plans=plans, moments=opt.moment_dtype, cap=cap,
-                                 peak=torch.cuda.max_memory_reserved())))
+                                 reserved=torch.cuda.max_memory_reserved())))
     trainstream.unwrap(model)
 """)
+CAP_DATA = dict(batch=2, seq=16)  # few activations: the weights are what does not fit
 
 
 @needs_cuda
 def test_cuda_auto_plan_under_a_vram_cap_finds_the_split_and_trains_correctly(tsd):
-    """TrainStream's capped subprocess: param_offload="auto" under a 480 MiB VRAM cap starts with
-    blocks paged from the budget, refines the split from the measured peaks (moving some blocks
-    into VRAM), settles, and its losses equal an uncapped, unpaged tsd run exactly."""
-    cap, n = 480 << 20, 10  # 10 blocks of 32 MiB (320 MiB) do not all fit next to the rest
-    code = (CAP_SCRIPT.replace("ROOT", repr(os.path.join(ROOT, "client-py"))).replace("HERE", repr(HERE))
-            .replace("CAP", str(cap)).replace("NBLOCKS", str(n)).replace("SOCKET", repr(tsd.socket)))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    res = json.loads([line for line in out.stdout.splitlines() if line.startswith("@@")][-1][2:])
-    print(json.dumps({k: v for k, v in res.items() if k != "losses"}, indent=1))
-    why = f"events: {res['events']}; plans after each step: {res['plans']}"
-    assert res["first"], f"a {cap >> 20} MiB cap must start with some blocks paged; {why}"
-    assert res["settled"], why
-    assert res["final"] != res["first"], f"measured peaks must change the plan; {why}"
-    assert 0 < len(res["final"]) < len(res["first"]), f"headroom moves some blocks into VRAM, not all; {why}"
-    assert any("memory plan settled" in e for e in res["events"]), why
+    """TrainStream's capped subprocess: param_offload="auto" under a VRAM cap starts with blocks
+    paged from the budget, refines the split from the measured peaks (moving some blocks into
+    VRAM), settles, and its losses equal an uncapped, unpaged tsd run exactly.
+
+    The cap is set from the uncapped run's measured peak (all 16 blocks of 32 MiB resident), so
+    that the plan's target lies 1.5 blocks below it: the whole model cannot stay resident, and
+    the budget-only first plan (which keeps a quarter of the VRAM for activations it has not
+    seen) pages more blocks than the measured peaks show are needed."""
+    n, block = 16, 32 << 20
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     ref = Stack(d=1024, n=n)
     ref, opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), **HP), device="cuda", socket=tsd.socket,
                                 offload=True, param_offload=False)
     try:
-        a = lm_steps(ref, opt, tokens(14, batch=4, seq=64, device="cuda"))
+        a = lm_steps(ref, opt, tokens(14, device="cuda", **CAP_DATA))
     finally:
         trainstream.unwrap(ref)
+    peak = torch.cuda.max_memory_allocated() - base
+    del ref, opt
+    torch.cuda.empty_cache()
+    from trainstream.blockplan import MARGIN
+    from trainstream.planner import VRAM_HEADROOM
+    cap = int((peak - 1.5 * block) / (VRAM_HEADROOM * (1 - MARGIN)))
+    code = (CAP_SCRIPT.replace("ROOT", repr(os.path.join(ROOT, "client-py"))).replace("HERE", repr(HERE))
+            .replace("CAP", str(cap)).replace("NBLOCKS", str(n)).replace("SOCKET", repr(tsd.socket)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads([line for line in out.stdout.splitlines() if line.startswith("@@")][-1][2:])
+    print(f"uncapped unpaged peak {peak / 2**20:.1f} MiB -> cap {cap / 2**20:.1f} MiB")
+    print(json.dumps({k: v for k, v in res.items() if k != "losses"}, indent=1))
+    why = f"uncapped peak {peak >> 20} MiB, cap {cap >> 20} MiB; events: {res['events']}; plans after each step: " \
+          f"{res['plans']}"
+    assert res["first"], f"the cap must start with some blocks paged; {why}"
+    assert res["settled"], why
+    assert res["final"] != res["first"], f"measured peaks must change the plan; {why}"
+    assert 0 < len(res["final"]) < len(res["first"]), f"headroom moves some blocks into VRAM, not all; {why}"
+    assert any("memory plan settled" in e for e in res["events"]), why
+    assert res["reserved"] <= cap
     assert res["losses"] == a, "the capped, re-planned run must equal the uncapped unpaged run exactly"
 
 
