@@ -376,8 +376,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                               f"lent by tsd")
     if session.pager is not None:
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
-        if session.planner is not None and session.cuda:
-            torch.cuda.reset_peak_memory_stats(device)  # the first step's peak is the first measurement
+        if session.planner is not None and session.pager.reset_measure is not None:
+            session.pager.reset_measure()  # the first step's peak is the first measurement
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "

@@ -362,6 +362,92 @@ def test_param_dtype_working_copies_are_paged_into_their_slots(tsd):
     assert_same(pb, pa, "bf16 working copies paged")
 
 
+def test_the_graph_keeps_no_weight_memory_between_forward_and_backward(tsd):
+    """After forward, paged blocks hold no storage (but the last one, which backward needs first):
+    the graph saved references to their weights, not the weights (an addmm saves weight.t(), a
+    view that would keep the memory alive)."""
+    model = make_gpt(0, layers=4, d=32)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 1, 2])
+    s = unwrap_session(model)
+    try:
+        loss = loss_of(model, batches(1)[0])
+        assert [storage_bytes(b) > 0 for b in model.blocks] == [False, False, True, True]
+        refs = s.pager.weight_refs
+        assert refs >= 3 * 5  # qkv, proj, fc, out weights and the norms' parameters, per paged block
+        loss.backward()
+        assert [storage_bytes(b) > 0 for b in model.blocks] == [False, False, False, True]
+        assert s.pager.moves == 3 + 2  # forward: 0, 1, 2; backward: 1, 0 (2 stayed)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(batches(1)[0][:, :-1])
+        assert s.pager.weight_refs == refs  # nothing is saved without autograd
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_the_planner_drives_the_pager_from_measured_peaks(tsd):
+    """The pager's step hook on the CPU, with the peak measurement replaced: a planner set on the
+    session refines the plan (blocks move in and out between steps), settles after two steady
+    steps, then its watchdog pages one block per grown step; results stay those of an unpaged
+    run, and every decision is an event."""
+    make = lambda: make_gpt(0, layers=6, d=32)  # noqa: E731
+    data = batches(8)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 8, data=data)
+    steps = []
+
+    def setup(model, s):
+        s.planner = MemoryPlanner(Budget(vram_usable=2000), [100] * 6)  # target 1900
+
+        def measure():  # 1350 besides the blocks (3000 more in step 6), 100 a block, two in flight
+            steps.append(1)
+            paged = s.pager.paged
+            return (1350 + (3000 if len(steps) == 6 else 0) + 100 * (6 - len(paged))
+                    + s.planner.buffers(paged))
+        s.pager.measure = measure
+        s.pager.reset_measure = lambda: None
+
+    plans = []
+
+    def between(k, model, s):
+        plans.append((sorted(s.pager.paged), s.planner.done))
+
+    b, pb, events, s = wrapped_run(tsd, make, "cpu", 8, data=data, param_offload=[0, 1, 2, 3, 4],
+                                   after_wrap=setup, between=between)
+    # 1650 with 5 paged: two more resident fit under the target (1900), a third would not (1950);
+    # 1850 with 3 paged: steady, twice: settled; step 6 grows: the watchdog pages one block.
+    assert [len(p) for p, _ in plans] == [3, 3, 3, 3, 3, 4, 4, 4], plans
+    assert [d for _, d in plans] == [False, False, True, True, True, True, True, True], plans
+    assert any(e.startswith("memory plan refined: 3 of 6 blocks resident") for e in events), events
+    assert any(e.startswith("memory plan settled: 3 of 6 blocks resident") for e in events), events
+    assert any(e.startswith("memory watchdog: step 6 peaked") for e in events), events
+    assert b == a
+    assert_same(pb, pa, "planner-driven moves")
+
+
+def test_frozen_weights_that_tsd_cannot_hold_are_refused_and_nothing_stays(tsd):
+    """The arena for frozen weights cannot grow past the job's quota: wrap() raises QuotaExceeded
+    (naming the frozen weights and what to do), gives the paged blocks back and releases the job."""
+    model = make_gpt(0, layers=4, d=128)
+    for blk in model.blocks:
+        for lin in (blk.qkv, blk.proj, blk.fc, blk.out):
+            lin.weight.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    need = trainstream.plan_wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                                 moment_dtype="float32").state_bytes
+    with pytest.raises(trainstream.QuotaExceeded, match=r"paged frozen weights.*page fewer blocks"):
+        trainstream.wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                         moment_dtype="float32", quota=need + (64 << 10), param_offload=True)
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert c.status().jobs == 0
+    assert unwrap_session(model) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert not model.blocks[0]._forward_pre_hooks
+
+
 # --------------------------------------------------------------------------- CUDA
 def cuda_pair_runs(tsd, make, steps, po, data=None, autocast=False, **kw):
     """(losses, params, session events) of an unpaged and a paged tsd run on CUDA."""
@@ -536,15 +622,15 @@ def test_cuda_a_model_on_the_cpu_is_accepted_and_never_moved_whole(tsd):
 
 CAP_SCRIPT = textwrap.dedent(r"""
     import json, sys, torch
-    sys.path[:0] = [ROOT, HERE]
+    sys.path[:0] = [@ROOT@, @HERE@]
     import trainstream
     from test_weight_paging import Stack, tokens, lm_steps, HP, CAP_DATA
-    cap = CAP
+    cap = @CAP@
     torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
     torch.manual_seed(0)
-    model = Stack(d=1024, n=NBLOCKS)  # blocks of 32 MiB (fp32), the model on the CPU
+    model = Stack(d=1024, n=@NBLOCKS@)  # blocks of 32 MiB (fp32), the model on the CPU
     opt = torch.optim.AdamW(model.parameters(), **HP)
-    model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, param_offload="auto", socket=SOCKET)
+    model, opt = trainstream.wrap(model, opt, device="cuda", offload=True, param_offload="auto", socket=@SOCKET@)
     s = trainstream.unwrap_session(model)
     first = sorted(s.pager.paged)
     plans = []
@@ -588,8 +674,9 @@ def test_cuda_auto_plan_under_a_vram_cap_finds_the_split_and_trains_correctly(ts
     from trainstream.blockplan import MARGIN
     from trainstream.planner import VRAM_HEADROOM
     cap = int((peak - 1.5 * block) / (VRAM_HEADROOM * (1 - MARGIN)))
-    code = (CAP_SCRIPT.replace("ROOT", repr(os.path.join(ROOT, "client-py"))).replace("HERE", repr(HERE))
-            .replace("CAP", str(cap)).replace("NBLOCKS", str(n)).replace("SOCKET", repr(tsd.socket)))
+    code = (CAP_SCRIPT.replace("@ROOT@", repr(os.path.join(ROOT, "client-py"))).replace("@HERE@", repr(HERE))
+            .replace("@CAP@", str(cap)).replace("@NBLOCKS@", str(n)).replace("@SOCKET@", repr(tsd.socket)))
+    assert not any(f"@{k}@" in code for k in ("ROOT", "HERE", "CAP", "NBLOCKS", "SOCKET"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     res = json.loads([line for line in out.stdout.splitlines() if line.startswith("@@")][-1][2:])

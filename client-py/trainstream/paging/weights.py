@@ -225,6 +225,15 @@ class WeightPager:
         self._handles: list[Any] = []
         self.moves = 0                  # blocks copied to the device since the last reset_stats()
         self.moved_bytes = 0
+        self.weight_refs = 0            # saved tensors replaced by references to paged weights
+        # The step's peak for the planner, and its reset: the CUDA allocator's on a GPU (None on
+        # the CPU: no planning there; a test may set both).
+        self.measure: Optional[Callable[[], int]] = None
+        self.reset_measure: Optional[Callable[[], None]] = None
+        if self.cuda:
+            dev = self.device
+            self.measure = lambda: torch.cuda.max_memory_allocated(dev)
+            self.reset_measure = lambda: torch.cuda.reset_peak_memory_stats(dev)
 
     # ---- what is paged
     @property
@@ -284,29 +293,37 @@ class WeightPager:
         if b.paged:
             return False
         self._quiesce()
-        for w in b.weights:
-            p = w.param
+        # Every copy first; only when all of them succeeded are the device copies freed, so a
+        # failure (tsd cannot lend the frozen weights' memory) leaves the block as it was.
+        taken: list[HostBlock] = []
+        try:
             with torch.no_grad():
-                if w.trained:
-                    slots = self.session.by_param.get(id(p))
-                    if slots is None or slots.param_slot is None:
-                        raise RuntimeError(f"parameter {w.name} of block {i} is trained but has no parameter slot in "
-                                           f"tsd (the session was released?)")
-                    w.slots = slots
-                    w.source().copy_(p.detach())  # casts to the working dtype (param_dtype=) too
-                    slots.paged = True
-                else:
-                    if self.arena is None:
-                        self.arena = self._new_arena()
-                    block = self.arena.alloc(w.nbytes)
-                    try:
-                        host = block.view(w.dtype, w.shape, _contiguous_strides(w.shape))
-                        host.copy_(p.detach())
-                    except BaseException:
-                        block.release()
-                        raise
-                    w.block, w.host = block, host
-            p.data = self._empty(w)
+                for w in b.weights:
+                    p = w.param
+                    if w.trained:
+                        slots = self.session.by_param.get(id(p))
+                        if slots is None or slots.param_slot is None:
+                            raise RuntimeError(f"parameter {w.name} of block {i} is trained but has no parameter "
+                                               f"slot in tsd (the session was released?)")
+                        w.slots = slots
+                        w.source().copy_(p.detach())  # casts to the working dtype (param_dtype=) too
+                    else:
+                        if self.arena is None:
+                            self.arena = self._new_arena()
+                        block = self.arena.alloc(w.nbytes)
+                        taken.append(block)
+                        w.block, w.host = block, block.view(w.dtype, w.shape, _contiguous_strides(w.shape))
+                        w.host.copy_(p.detach())
+        except BaseException:
+            for w in b.weights:
+                w.block = w.host = None
+            for block in taken:
+                block.release()
+            raise
+        for w in b.weights:
+            if w.slots is not None:
+                w.slots.paged = True
+            w.param.data = self._empty(w)
         b.paged, b.loaded, b.event, b.bw_started = True, False, None, False
         return True
 
@@ -384,15 +401,15 @@ class WeightPager:
                 self._drop(b)
             b.bw_started = False
         planner = getattr(self.session, "planner", None)
-        if planner is None or not self.cuda or self.closed:
+        if planner is None or self.measure is None or self.closed:
             return
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = self.measure()
         new = planner.observe(peak, self.paged)
         self.session.events.extend(planner.take_events())
         if new is not None:
             self.move_to(set(new))
-        if not planner.done or new is not None:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if (not planner.done or new is not None) and self.reset_measure is not None:
+            self.reset_measure()  # settled, the watchdog compares the peak since the last change
 
     # ---- copies
     def _new_arena(self) -> HostArena:
@@ -538,6 +555,7 @@ class WeightPager:
                 except (RuntimeError, NotImplementedError):
                     hit = None
                 if hit is not None and t.dtype == b.weights[hit[0]].dtype:
+                    self.weight_refs += 1
                     return _WeightRef(index, hit[0], t, hit[1])
             if prev_pack is not None:
                 return _Delegated(prev_pack(t), prev_unpack)
