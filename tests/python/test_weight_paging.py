@@ -136,12 +136,10 @@ def wrapped_run(tsd, make, device, steps, data=None, opt_groups=None, between=No
 @pytest.mark.parametrize("offload,accumulation,clip", [(True, 1, None), (0.5, 2, 0.05), ([1, 3], 1, 1.0)])
 def test_paged_run_equals_unpaged_bit_for_bit(tsd, offload, accumulation, clip):
     """Every block, half the blocks, two chosen blocks; with accumulation and clipping."""
-    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
     data = batches(8 * accumulation)
-    kw = dict(max_grad_norm=clip, accumulation_steps=accumulation, opt_groups=lambda m: param_groups(m, 0.1, 3e-3))
 
     def run(po):
-        model = make()
+        model = make_gpt(0, layers=4, d=32)
         model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
                                       socket=tsd.socket, offload=True, param_offload=po, max_grad_norm=clip,
                                       accumulation_steps=accumulation)
@@ -154,10 +152,9 @@ def test_paged_run_equals_unpaged_bit_for_bit(tsd, offload, accumulation, clip):
         finally:
             trainstream.unwrap(model)
 
-    del kw
     a, pa, _, _, _ = run(False)
     b, pb, paged, empty, s = run(offload)
-    want = {True: {0, 1, 2, 3}, 0.5: {0, 2}, (1, 3): {1, 3}}[tuple(offload) if isinstance(offload, list) else offload]
+    want = {0, 1, 2, 3} if offload is True else {0, 2} if offload == 0.5 else set(offload)
     assert paged == want
     assert set(empty) == want, "paged blocks hold no weights between steps"
     assert b == a, "losses of the paged run differ from the unpaged run's"
