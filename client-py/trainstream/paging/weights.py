@@ -207,7 +207,6 @@ class WeightPager:
         for b in self.blocks:
             for p in b.module.parameters():
                 owners.setdefault(id(p), []).append(b.index)
-        inside = set(owners)
         in_stack = {id(m) for m in blocks.modules()}
         outside = {id(p) for m in model.modules() if id(m) not in in_stack
                    for p in m._parameters.values() if p is not None}
