@@ -693,18 +693,24 @@ def test_cuda_auto_plan_under_a_vram_cap_finds_the_split_and_trains_correctly(ts
 
 @needs_cuda
 def test_cuda_watchdog_pages_a_block_when_a_later_step_grows(tsd):
+    """A settled plan: a step like the others changes nothing; a step with a much larger batch
+    peaks over the target and the watchdog pages one more block."""
+    from trainstream.blockplan import MARGIN
     torch.manual_seed(0)
     model = Stack().cuda()
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), socket=tsd.socket,
                                   offload=True, param_offload=[0], activation_offload=False)
     s = unwrap_session(model)
     used = torch.cuda.memory_allocated()
-    s.planner = MemoryPlanner(Budget(vram_total=used + (64 << 20), vram_usable=used + (64 << 20),
-                                     ram_total=1 << 36, ram_available=1 << 35),
+    usable = int((used + (64 << 20)) / (1 - MARGIN))  # the target is 64 MiB above what is allocated now
+    s.planner = MemoryPlanner(Budget(vram_total=usable, vram_usable=usable, ram_total=1 << 36, ram_available=1 << 35),
                               s.pager.block_bytes, fixed_vram=0, inflight_bytes=1 << 20)
     s.planner.done = True  # settled; now a step with a much larger batch arrives
     try:
         before = len(s.pager.paged)
+        torch.cuda.reset_peak_memory_stats()
+        lm_steps(model, opt, tokens(1, device="cuda"))  # batch 8 x 32: well under the target
+        assert len(s.pager.paged) == before, (s.events, torch.cuda.max_memory_allocated() - used)
         lm_steps(model, opt, tokens(1, batch=64, seq=128, device="cuda"))
         assert len(s.pager.paged) == before + 1, s.events
         assert any("memory watchdog" in e for e in s.events), s.events
