@@ -43,7 +43,7 @@ class ParamSlots:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
 
     __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook",
-                 "orig_dtype", "paged")
+                 "orig_dtype", "paged", "shape")
 
     def __init__(self, param: torch.nn.Parameter, bucket: int, group: int, index: int) -> None:
         self.param, self.bucket, self.group, self.index = param, bucket, group, index
@@ -55,6 +55,7 @@ class ParamSlots:
         self.version = -1
         self.orig_dtype = param.dtype  # before param_dtype= cast it (restored by unwrap / the switch to stock)
         self.paged = False  # its block's weights are paged (paging.weights): the param slot is its only copy
+        self.shape = param.shape  # a paged parameter is an empty tensor between uses: its shape is this
 
 
 class Session:

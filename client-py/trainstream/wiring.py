@@ -343,7 +343,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
-    if session.pager is not None:
+    wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
+    if any(len(v) for v in optimizer.state.values()):
+        wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
+    if session.pager is not None:  # after the state is loaded: it reads the parameters
         try:
             _start_weight_paging(session, opts, first_paged)
         except BaseException:
@@ -351,9 +354,6 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             raise
     if device.type == "cuda":
         model.to(device)  # what is not paged
-    wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
-    if any(len(v) for v in optimizer.state.values()):
-        wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
     wrapped_ref = weakref.ref(wrapped)
 
     def hook(p: torch.Tensor) -> None:

@@ -349,6 +349,42 @@ def test_param_offload_options_are_checked(tsd):
         trainstream.unwrap(model)
 
 
+def test_an_optimizer_that_already_stepped_keeps_its_state_with_paged_blocks(tsd):
+    """wrap() loads the state of an optimizer that stepped before it, then pages: the paged run
+    equals the unpaged one."""
+    data = batches(6)
+
+    def run(po):
+        model = make_gpt(0, layers=4, d=32)
+        opt = torch.optim.AdamW(model.parameters(), **HP)
+        for t in data[:2]:  # two stock steps first
+            loss_of(model, t).backward()
+            opt.step()
+            opt.zero_grad()
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload=True, param_offload=po)
+        try:
+            losses = lm_free_train(model, opt, data[2:])
+            return losses, params_of(model)
+        finally:
+            trainstream.unwrap(model)
+
+    a, pa = run(False)
+    b, pb = run([0, 2, 3])
+    assert b == a
+    assert_same(pb, pa, "stepped optimizer, then paging")
+
+
+def lm_free_train(model, opt, data):
+    out = []
+    for t in data:
+        loss = loss_of(model, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 def test_param_dtype_working_copies_are_paged_into_their_slots(tsd):
     """param_dtype=torch.bfloat16: a paged block's working copies are bf16 in its slots, cast from
     the fp32 weights the same way as resident ones."""
