@@ -10,7 +10,8 @@ The package, by responsibility (docs/python.md):
   units      sizes ("8GiB") and dtypes, read as tsd reads them
   planner    Budget, Demand, Plan, plan(): a budget in, a plan out (pure)
   memory     HostArena: blocks of host memory over a few large tsd regions
-  paging     the activation pager (the weight pager comes next to it)
+  paging     the activation and weight pagers (activation_offload=, param_offload=)
+  blockplan  MemoryPlanner: which blocks param_offload="auto" pages
   engine     Session: the per-step protocol with tsd
   optim      TsdAdamW: the torch.optim.Optimizer facade
   wiring     wrap(), plan_wrap(), unwrap(): a plan first, then applied

@@ -32,6 +32,7 @@ from .client import Client
 from .errors import TsdError, error_class
 from .memory import HostArena, PinnedHost
 from .paging.activations import ActivationPager
+from .paging.weights import WeightPager
 from .planner import Budget
 
 # One bucket's optimizer state as flat tensors: (fp32 master, exp_avg, exp_avg_sq, step).
@@ -42,7 +43,7 @@ class ParamSlots:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
 
     __slots__ = ("param", "bucket", "group", "index", "master", "grad_slot", "param_slot", "version", "hook",
-                 "orig_dtype")
+                 "orig_dtype", "paged", "shape")
 
     def __init__(self, param: torch.nn.Parameter, bucket: int, group: int, index: int) -> None:
         self.param, self.bucket, self.group, self.index = param, bucket, group, index
@@ -53,6 +54,8 @@ class ParamSlots:
         self.hook: Optional[torch.utils.hooks.RemovableHandle] = None
         self.version = -1
         self.orig_dtype = param.dtype  # before param_dtype= cast it (restored by unwrap / the switch to stock)
+        self.paged = False  # its block's weights are paged (paging.weights): the param slot is its only copy
+        self.shape = param.shape  # a paged parameter is an empty tensor between uses: its shape is this
 
 
 class Session:
@@ -73,7 +76,9 @@ class Session:
         self.accumulation_steps = int(options["accumulation_steps"])
         self.offload = options["offload"]
         self.param_dtype = options.get("param_dtype")
-        self.pager: Optional[ActivationPager] = None  # with activation_offload=
+        self.act_pager: Optional[ActivationPager] = None  # with activation_offload=
+        self.pager: Optional[WeightPager] = None  # with param_offload= (TrainStream's name for it)
+        self.planner: Any = None  # param_offload="auto": the blockplan.MemoryPlanner the pager consults each step
         self.moment_dtype = "float32"  # set by wrap()
         self.state_bytes = 0
         self.events: list[str] = []  # human-readable decisions, for logs and tests
@@ -136,7 +141,7 @@ class Session:
 
     def deliver(self, ps: ParamSlots, grad: torch.Tensor, first: bool, final: bool) -> None:
         b = ps.bucket
-        shape = ps.param.shape
+        shape = grad.shape  # the parameter's (a paged one is an empty tensor between uses)
         if not self.cuda:
             if not first:
                 self.handle.wait(b)
@@ -202,6 +207,8 @@ class Session:
             ps = self.params[b]
             h.wait(b)
             p = ps.param
+            if ps.paged:
+                continue  # its parameter slot is its paged copy: the next use copies it from there
             with torch.no_grad():
                 p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
             ps.version = p._version
@@ -209,6 +216,8 @@ class Session:
         self.counts.clear()
         self.hyper = None
         self.steps += 1
+        if self.pager is not None:
+            self.pager.after_step()
         if changed is not None:
             was, now = changed
             g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)
@@ -251,11 +260,14 @@ class Session:
                 ps.hook.remove()
                 ps.hook = None
         if self.pager is not None:
+            self.pager.close()  # the weights come back before the slots go (unwrap() closed it already)
+            self.pager = None
+        if self.act_pager is not None:
             if keep_pager:
-                self.pager.host = PinnedHost(pin=self.cuda)
+                self.act_pager.host = PinnedHost(pin=self.cuda)
             else:
-                self.pager.remove()
-                self.pager = None
+                self.act_pager.remove()
+                self.act_pager = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -64,7 +64,7 @@ class TsdAdamW(torch.optim.Optimizer):
             s.closed = True
             raise
         s.step_times.append(time.perf_counter() - t0)
-        if s.steps == 1 and isinstance(s.pager, ActivationProfiler):
+        if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
             decide_activation_offload(s)
         if s.offload == "auto" and s.steps == 2:
             maybe_switch_to_stock(self)
@@ -97,9 +97,10 @@ class TsdAdamW(torch.optim.Optimizer):
         for b, (master, m, v, step) in per_bucket.items():
             if step == 0:
                 continue  # torch keeps no state for a parameter never stepped
-            p = s.params[b].param
-            state[index[id(p)]] = {"step": torch.tensor(float(step)), "exp_avg": m.view(p.shape),
-                                   "exp_avg_sq": v.view(p.shape), "master": master.view(p.shape)}
+            ps = s.params[b]
+            shape = ps.shape  # a paged parameter is an empty tensor between uses
+            state[index[id(ps.param)]] = {"step": torch.tensor(float(step)), "exp_avg": m.view(shape),
+                                          "exp_avg_sq": v.view(shape), "master": master.view(shape)}
         sd["state"] = dict(sorted(state.items()))
         return sd
 
@@ -126,6 +127,10 @@ class TsdAdamW(torch.optim.Optimizer):
             ps = s.by_param.get(id(p))
             if ps is None:
                 continue  # frozen: not in the daemon
+            if ps.paged:
+                raise ValueError(f"parameter {i} is in a paged block (param_offload=): bring its block back with "
+                                 f"unwrap_session(model).pager.unpage(BLOCK) before load_state_dict(), or load the "
+                                 f"state before wrap(); nothing was changed")
             st = saved_state.get(i)
             n, b = p.numel(), ps.bucket
             if st is not None:
@@ -247,10 +252,10 @@ def decide_activation_offload(session: Session) -> None:
     usable VRAM, within what tsd can still lend the job (planner.activations_to_page), or none;
     the profiler goes either way. The peak is torch's since the process started or the caller's
     last torch.cuda.reset_peak_memory_stats()."""
-    prof = session.pager
+    prof = session.act_pager
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
-    session.pager = None
+    session.act_pager = None
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
     room = None

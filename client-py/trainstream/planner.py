@@ -458,3 +458,5 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
         why += (" (less than the excess, even with every block: lower the batch, use gradient checkpointing or "
                 "page weights with param_offload)")
     return chosen, why
+# The block planner of weight paging (param_offload="auto"), under the names TrainStream gives it here.
+from .blockplan import MemoryPlanner, spread  # noqa: E402,F401

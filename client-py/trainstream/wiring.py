@@ -32,7 +32,9 @@ from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
-from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
+from .paging.activations import block_ranges, choose_blocks, find_blocks, page_blocks, profile_blocks
+from .paging.weights import WeightPager, check_param_offload, weight_blocks
+from .blockplan import MemoryPlanner, fraction_paged
 from .planner import Budget, Plan
 from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
@@ -83,10 +85,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"wrap() got unknown options {sorted(unknown)}; it takes {sorted(OPTIONS)}")
     out = dict(OPTIONS, **options)
-    if out["param_offload"] not in (False, None, "auto"):
-        raise NotImplementedError(f"param_offload={out['param_offload']!r} is not implemented by tsd yet: the weights "
-                                  f"stay on the GPU (param_dtype=torch.bfloat16 halves them; their fp32 masters live in "
-                                  f"tsd); the optimizer and, with activation_offload, activations are offloaded")
+    check_param_offload(out["param_offload"])
     check_wrap_options(out)
     if out["offload"] not in (True, "auto"):
         raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
@@ -122,6 +121,62 @@ def _hyper(g: dict[str, Any]) -> dict[str, float]:
     b1, b2 = g["betas"]
     return {"lr": float(g["lr"]), "beta1": float(b1), "beta2": float(b2), "eps": float(g["eps"]),
             "weight_decay": float(g["weight_decay"])}
+
+
+def _explicit_paged(option: Any, count: int) -> Optional[list[int]]:
+    """The blocks an explicit param_offload pages (None for "auto")."""
+    if option is True:
+        return list(range(count))
+    if isinstance(option, float):
+        return fraction_paged(option, count)
+    if isinstance(option, (list, tuple, set, frozenset)):
+        return sorted(set(option))
+    return None
+
+
+def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepared, budget: Budget) -> list[int]:
+    """param_offload=: makes the session's WeightPager and returns the blocks to page from the start
+    (before anything moves to the device). "auto" plans them from the budget with a
+    blockplan.MemoryPlanner (`session.planner`), which refines the plan from the first steps."""
+    found = weight_blocks(model, prep.opts["param_offload"])
+    if found is None:
+        return []
+    name, blocks = found
+    option = prep.opts["param_offload"]
+    pager = WeightPager(model, blocks, session, trained={id(p) for p, _, _ in prep.buckets}, name=name, work=prep.work)
+    session.pager = pager
+    first = _explicit_paged(option, len(blocks))
+    if first is not None:
+        return first
+    if not session.cuda or budget.vram_usable is None:
+        session.events.append(f"param_offload='auto': pages nothing on {session.device} (no VRAM to plan for)")
+        return []
+    used = torch.cuda.memory_allocated(session.device)
+    on_device = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+                    if t.device == session.device)
+    fixed = max(0, used - on_device) + pager.outside_bytes()
+    session.planner = MemoryPlanner(budget, pager.block_bytes, fixed_vram=fixed,
+                                    inflight_bytes=pager.largest_trained_block())
+    first = sorted(session.planner.initial_paged())
+    session.events.extend(session.planner.take_events())
+    return first
+
+
+def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int]) -> None:
+    """Pages the first blocks (trained weights into their parameter slots, frozen ones into a
+    region of their own) and keeps offloading on (paged weights need tsd)."""
+    pager = session.pager
+    assert pager is not None
+    for i in first:
+        pager.page(i)
+    if session.offload == "auto":
+        session.offload = True  # the switch to stock AdamW would take the paged weights' slots away
+    session.events.append(
+        f"param_offload={opts['param_offload']!r}: the weights of blocks {block_ranges(sorted(pager.paged)) or 'none'} of "
+        f"{pager.name} ({len(pager.paged)} of {len(pager.blocks)}) are paged from tsd's memory: "
+        f"{format_bytes(pager.trained_paged_bytes)} trained (their parameter slots), "
+        f"{format_bytes(pager.frozen_bytes)} frozen (a region of their own)"
+        f"{'; offload=auto keeps offloading' if opts['offload'] == 'auto' else ''}")
 
 
 def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
@@ -166,6 +221,7 @@ def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: U
                              "has no nn.ModuleList of blocks; pass activation_offload=False")
         paged_blocks = (blocks_name, block_list, choose_blocks(act, len(block_list)))
 
+    weight_blocks(model, opts["param_offload"])  # a model without a block stack is refused here
     trainable = _collect(optimizer)
     if not trainable:
         raise ValueError("the optimizer has no trainable parameters (every one has requires_grad=False)")
@@ -184,6 +240,21 @@ def _job_name(opts: dict[str, Any]) -> str:
     return opts["job"] or f"trainstream-{socket.gethostname()}-{os.getpid()}-{next(_jobs)}"
 
 
+def _pageable(prep: _Prepared) -> tuple[set[int], int]:
+    """For the memory check: the ids of the parameters param_offload= may keep in tsd memory
+    instead of VRAM (an explicit choice's blocks; with "auto", every block, since the planner may
+    page any of them) and the VRAM of the two largest of those blocks in flight."""
+    found = weight_blocks(prep.model, prep.opts["param_offload"])
+    if found is None:
+        return set(), 0
+    _, blocks = found
+    chosen = _explicit_paged(prep.opts["param_offload"], len(blocks))
+    indices = range(len(blocks)) if chosen is None else chosen
+    ids = {id(p) for i in indices for p in blocks[i].parameters()}
+    sizes = sorted(sum(p.numel() * p.element_size() for p in blocks[i].parameters()) for i in indices)
+    return ids, sum(sizes[-2:])
+
+
 def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[Budget]) -> Plan:
     """Step 2: the budget (given fields, then measured ones) and the daemon's dry run of the
     registration, into planner.plan(). Allocates nothing."""
@@ -194,10 +265,11 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
         measured = measured.merged(planner.measure_device(prep.device))
     measured = measured.merged(planner.measure_host())
     layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
+    paged, inflight = _pageable(prep)
     demand = planner.model_demand(
         prep.model, [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets, prep.dtypes)], prep.device, layouts,
         accumulate=prep.accumulate, quantize=prep.opts["quantize"], quant_block_size=int(prep.opts["quant_block_size"]),
-        prefer=prep.opts["prefer"], budget=measured)
+        prefer=prep.opts["prefer"], budget=measured, paged=paged, paged_inflight=inflight)
     return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
 
 
@@ -261,20 +333,31 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     session.moment_dtype = plan.moment_dtype
     session.state_bytes = handle.state_bytes
     work = prep.work
+    # Weight paging: the blocks to page are chosen before anything moves to the device.
+    first_paged = _plan_weight_paging(session, model, prep, plan.budget)
+    paged_params = {id(w.param) for i in first_paged for w in session.pager.blocks[i].weights} if session.pager else set()
     for b, (p, gi, index) in enumerate(prep.buckets):
         ps = ParamSlots(p, b, gi, index)
         ps.master, ps.grad_slot, ps.param_slot = handle.master(b), handle.grad(b), handle.param(b)
         session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this
-        if work is not None and p.dtype != work:
+        if id(p) in paged_params:
+            pass  # the pager writes it (cast to param_dtype) into its parameter slot: it never visits the device
+        elif work is not None and p.dtype != work:
             p.data = p.data.to(device=device if device.type == "cuda" else p.device, dtype=work)
             ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
-    if device.type == "cuda":
-        model.to(device)
     wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
     if any(len(v) for v in optimizer.state.values()):
         wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
+    if session.pager is not None:  # after the state is loaded: it reads the parameters
+        try:
+            _start_weight_paging(session, opts, first_paged)
+        except BaseException:
+            session.release()  # the blocks paged so far come back; the job goes (QuotaExceeded for frozen weights)
+            raise
+    if device.type == "cuda":
+        model.to(device)  # what is not paged
     wrapped_ref = weakref.ref(wrapped)
 
     def hook(p: torch.Tensor) -> None:
@@ -288,6 +371,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         page_blocks(session, model, *prep.paged_blocks)
     elif opts["activation_offload"] == "auto":
         profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
+    if session.pager is not None:
+        session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
+        if session.planner is not None and session.pager.reset_measure is not None:
+            session.pager.reset_measure()  # the first step's peak is the first measurement
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
@@ -311,6 +398,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if session is None:
         raise ValueError("this model is not wrapped by trainstream")
     try:
+        if session.pager is not None:
+            session.pager.close()  # the paged blocks' weights come back from tsd's memory first
         if session.offloading and session.handle is not None and not session.closed:
             try:
                 session.idle()

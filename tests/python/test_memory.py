@@ -81,8 +81,8 @@ def wrap_paged(tsd, **kw):
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, max_grad_norm=1.0, **kw)
     session = trainstream.unwrap_session(model)
-    if session.pager is not None:
-        session.pager.min_bytes = 1024  # 1 MiB would page nothing of this small model
+    if session.act_pager is not None:
+        session.act_pager.min_bytes = 1024  # 1 MiB would page nothing of this small model
     return model, opt, session
 
 
@@ -94,7 +94,7 @@ def test_activation_pages_are_charged_to_the_job_and_reused_every_step(tsd):
             job = next(j for j in c.jobs() if j.name == "paged-job")
             assert job.used_bytes == s.state_bytes  # nothing paged yet
             train(model, opt, data[:1], 1)
-            assert s.pager.paged_bytes > 0 and s.arena.grows >= 1
+            assert s.act_pager.paged_bytes > 0 and s.arena.grows >= 1
             job = next(j for j in c.jobs() if j.name == "paged-job")
             assert job.used_bytes == s.state_bytes + s.arena.capacity_bytes  # tsctl jobs shows the pages
             assert job.regions == 6 + len(s.arena.regions)  # the optimizer's six regions and the arena's

@@ -268,11 +268,11 @@ def test_activation_offload_auto_is_the_default_and_pages_nothing_on_the_cpu(tsd
                                   socket=tsd.socket)
     session = trainstream.unwrap_session(model)
     try:
-        assert session.pager is None
+        assert session.act_pager is None
         assert any("activation_offload=auto" in e and "nothing paged" in e for e in session.events)
         assert any(e.startswith("wrap:") and "host RAM" in e and "this process may take" in e for e in session.events)
         train(model, opt, batches(2), 2)
-        assert session.pager is None and session.arena is None
+        assert session.act_pager is None and session.arena is None
     finally:
         trainstream.unwrap(model)
 
@@ -321,15 +321,15 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
                                       check_memory=False)
         session = trainstream.unwrap_session(model)
         try:
-            assert isinstance(session.pager, ActivationProfiler)
-            session.pager.min_bytes = 1024
+            assert isinstance(session.act_pager, ActivationProfiler)
+            session.act_pager.min_bytes = 1024
             losses = train(model, opt, data, 4)
             out[usable] = (losses, [p.detach().clone() for p in model.parameters()])
             if usable == 1 << 40:
-                assert session.pager is None and any("nothing paged" in e for e in session.events)
+                assert session.act_pager is None and any("nothing paged" in e for e in session.events)
             else:
-                assert session.pager is not None and not isinstance(session.pager, ActivationProfiler)
-                assert session.pager.paged_bytes > 0 and session.arena is not None
+                assert session.act_pager is not None and not isinstance(session.act_pager, ActivationProfiler)
+                assert session.act_pager.paged_bytes > 0 and session.arena is not None
                 assert any("activation_offload=auto after the first step" in e for e in session.events)
         finally:
             trainstream.unwrap(model)

@@ -99,7 +99,7 @@ def test_cuda_activation_offload_is_bit_identical_and_lowers_the_peak(tsd):
                                       socket=tsd.socket, offload=True, param_dtype=torch.bfloat16,
                                       activation_offload=act)
         session = trainstream.unwrap_session(model)
-        pager = session.pager
+        pager = session.act_pager
         try:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

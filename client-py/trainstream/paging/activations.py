@@ -290,9 +290,12 @@ def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list:
         session.client, purpose="activation paging",
         advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
                "blocks (activation_offload=), or train with a smaller batch")
-    session.pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, min_bytes=min_bytes,
-                                    host=session.arena)
-    session.pager.install()
+    session.act_pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, min_bytes=min_bytes,
+                                        host=session.arena)
+    session.act_pager.install()
+    weights = getattr(session, "pager", None)
+    if weights is not None:
+        weights.reinstall()  # the weight pager's saved-tensor hooks go on top of the activation pager's
     session.events.append(f"activation_offload: the saved activations of blocks {block_ranges(list(chosen))} of "
                           f"{name or 'the model'} ({len(chosen)} of {len(block_list)}) are paged to host memory "
                           f"lent by tsd{why}")
@@ -311,8 +314,8 @@ def profile_blocks(session: Any, model: nn.Module) -> None:
         session.events.append("activation_offload=auto: the device is the CPU, where paging saves no VRAM; "
                               "nothing paged")
         return
-    session.pager = ActivationProfiler(model, list(blocks), session.device, name=name)
-    session.pager.install()
+    session.act_pager = ActivationProfiler(model, list(blocks), session.device, name=name)
+    session.act_pager.install()
     session.events.append(f"activation_offload=auto: measuring the saved activations of the {len(blocks)} blocks "
                           f"of {name or 'the model'} during the first step")
 

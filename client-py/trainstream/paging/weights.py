@@ -1,0 +1,633 @@
+"""Weight paging: the weights of chosen blocks of the model's repeated stack live in tsd's memory
+and visit the device only while a forward or a backward needs them (`wrap(param_offload=...)`).
+
+Where a paged block's weights live (`WeightPager.page(i)`):
+
+* a trained parameter's paged copy is its bucket's parameter slot, which tsd writes with the
+  updated working weights after every step (the pager writes it once, when it pages the block):
+  there is no second copy, and `finish_step()` skips the H2D copy it does for resident
+  parameters;
+* a frozen parameter (a LoRA base) gets a block of its own from a `HostArena` of the job (regions
+  lent by tsd, charged to its quota, CUDA-registered).
+
+How a step goes. The block in use and `depth` prefetched ones are on the device at a time:
+
+* forward: a pre-hook on the model starts the copy of the first paged block; the pre-hook of
+  each block makes the compute stream wait for its copy (an event of the copy stream), then
+  starts the copy of the next paged block; the block's post-hook frees its weights again
+  (`p.data` becomes an empty tensor; `record_stream` keeps the caching allocator from reusing the
+  memory before the kernels that read it are done). The last paged block stays for backward,
+  which needs it first.
+* While a paged block runs forward with autograd on, `saved_tensors_hooks` replace every saved
+  tensor that is (a view of) one of its weights by a `_WeightRef`: the graph then holds no
+  reference to the weights' memory (an addmm saves `weight.t()`, a view, which `p.data = ...`
+  alone would not free). Other saved tensors go to the hooks that were active before (the
+  activation pager's, gradient checkpointing's).
+* backward: the first `_WeightRef` of a block unpacked (or, with gradient checkpointing, the
+  block's recompute) marks the block's backward as started: paged blocks above it whose backward
+  is done are freed, and the copy of the next paged block below starts. A block recomputed by
+  checkpointing stays on the device between its recompute and its backward. At the end of the
+  backward, every block whose backward ran is freed; `after_step()` (from `finish_step()`) frees
+  whatever is left, so no copy crosses a step (its slot has been updated since).
+
+Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
+unpaged one does. On `device="cpu"` the copies are plain copies (no memory is saved, every path
+but the streams runs and is tested).
+
+Between uses a paged parameter is an empty tensor (`p.shape == (0,)`, no storage); the model's
+`state_dict()` gives its values from tsd's memory. Move blocks with `page(i)` / `unpage(i)`
+between steps (not between a forward and its backward).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..memory import HostArena, HostBlock
+from ..units import format_bytes
+from .activations import find_blocks
+
+if TYPE_CHECKING:
+    from ..engine import ParamSlots, Session
+
+__all__ = ["WeightPager", "weight_blocks", "check_param_offload", "REQUIREMENT"]
+
+REQUIREMENT = ("weight paging (param_offload=) pages the weights of the model's repeated block stack: an "
+               "nn.ModuleList of at least 2 blocks that run one after the other in index order (the decoder "
+               "layers of a transformer, the `blocks` of a GPT)")
+
+
+def check_param_offload(option: Any) -> None:
+    """Refuses a malformed `param_offload` (before anything happens): False/None, True, "auto",
+    a fraction in (0, 1] or a list of block indices."""
+    if option is None or option is False or option is True or (isinstance(option, str) and option == "auto"):
+        return
+    if isinstance(option, float):
+        if not (math.isfinite(option) and 0.0 < option <= 1.0):
+            raise ValueError(f"param_offload as a fraction of the blocks must be in (0, 1], not {option!r}")
+        return
+    if isinstance(option, (list, tuple, set, frozenset)):
+        bad = [i for i in option if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(f"param_offload block indices must be ints >= 0; got {bad}")
+        return
+    raise ValueError(f"param_offload must be False, True, 'auto', a fraction in (0, 1] or a list of block indices, "
+                     f"not {option!r}")
+
+
+def weight_blocks(model: nn.Module, option: Any) -> Optional[tuple[Optional[str], nn.ModuleList]]:
+    """The block stack `param_offload=option` pages (None when it is off); refuses a model that has
+    none, and block indices out of its range."""
+    check_param_offload(option)
+    if option is False or option is None:
+        return None
+    name, blocks = find_blocks(model)
+    if blocks is None:
+        raise ValueError(f"{REQUIREMENT}, and this {type(model).__name__} has none; pass param_offload=False (the "
+                         f"weights then stay on the device; param_dtype=torch.bfloat16 halves them)")
+    if isinstance(option, (list, tuple, set, frozenset)):
+        bad = sorted(i for i in option if i >= len(blocks))
+        if bad:
+            raise ValueError(f"param_offload block indices {bad} are not in [0, {len(blocks)}) (the model's "
+                             f"{name or 'block stack'} has {len(blocks)} blocks)")
+    return name, blocks
+
+
+class _Weight:
+    """One pageable parameter of a block: its shape, strides and dtype on the device, and where
+    its paged copy lives (`slots`: a trained parameter's bucket; `host`: a frozen one's block)."""
+
+    __slots__ = ("param", "name", "trained", "shape", "stride", "dtype", "slots", "block", "host")
+
+    def __init__(self, param: nn.Parameter, name: str, trained: bool, dtype: torch.dtype) -> None:
+        self.param, self.name, self.trained = param, name, trained
+        self.slots: Optional["ParamSlots"] = None  # a trained parameter's, once its block is paged
+        self.shape = param.shape
+        self.stride = param.stride() if _dense(param) else _contiguous_strides(param.shape)
+        self.dtype = dtype
+        self.block: Optional[HostBlock] = None
+        self.host: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def source(self) -> torch.Tensor:
+        """The paged copy, in the parameter's shape (row-major, as tsd's slots are)."""
+        if self.slots is not None:
+            return self.slots.param_slot.view(self.shape)
+        assert self.host is not None
+        return self.host
+
+
+class _Block:
+    __slots__ = ("index", "module", "weights", "paged", "loaded", "event", "waited", "bw_started", "hooks")
+
+    def __init__(self, index: int, module: nn.Module) -> None:
+        self.index, self.module = index, module
+        self.weights: list[_Weight] = []
+        self.paged = False
+        self.loaded = False                     # a paged block's weights are on the device now
+        self.event: Optional[torch.cuda.Event] = None  # the copy that brought them
+        self.waited: set[int] = set()           # streams that waited for it
+        self.bw_started = False
+        self.hooks: list[Any] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+
+class _WeightRef:
+    """A saved tensor that is (a view of) a paged weight: where in the weight it lies."""
+
+    __slots__ = ("block", "k", "size", "stride", "offset")
+
+    def __init__(self, block: int, k: int, t: torch.Tensor, base: int) -> None:
+        self.block, self.k = block, k
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset() - base
+
+
+class _Delegated:
+    """A saved tensor packed by the hooks that were active before the pager's."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(list(shape)):
+        out.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class WeightPager:
+    """Pages the weights of `blocks` (the model's repeated stack) between the device and tsd's
+    memory; see the module docstring. `paged` is the set of paged block indices, `block_bytes`
+    each block's pageable bytes on the device; `page(i)` / `unpage(i)` move a block between steps;
+    `close()` brings every block back and removes the hooks (unwrap() calls it).
+
+    `trained`: the ids of the parameters tsd trains; they must be registered in `session` (their
+    `ParamSlots` in `session.by_param`) before the pager pages their block. `work` is the dtype
+    trained parameters have on the device (param_dtype=), None for their own. `install()` adds
+    the hooks (after any activation pager's, so that its saved-tensor hooks go on top)."""
+
+    def __init__(self, model: nn.Module, blocks: nn.ModuleList, session: "Session", trained: set[int],
+                 name: Optional[str] = None, work: Optional[torch.dtype] = None, depth: int = 1) -> None:
+        if depth < 1:
+            raise ValueError(f"depth (paged blocks prefetched ahead) must be at least 1, not {depth}")
+        self.model, self.session, self.name = model, session, name or "blocks"
+        self.trained, self.work = set(trained), work
+        self.device = session.device
+        self.cuda = self.device.type == "cuda"
+        self.depth = depth
+        self.stream: Any = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.arena: Optional[HostArena] = None
+        self.closed = False
+        self.blocks = [_Block(i, m) for i, m in enumerate(blocks)]
+        owners: dict[int, list[int]] = {}
+        for b in self.blocks:
+            for p in b.module.parameters():
+                owners.setdefault(id(p), []).append(b.index)
+        in_stack = {id(m) for m in blocks.modules()}
+        outside = {id(p) for m in model.modules() if id(m) not in in_stack
+                   for p in m._parameters.values() if p is not None}
+        self.shared = 0  # parameters used by several blocks or outside the stack: they stay resident
+        for b in self.blocks:
+            for pname, p in b.module.named_parameters():
+                if len(set(owners[id(p)])) > 1 or id(p) in outside or p.untyped_storage().nbytes() == 0:
+                    self.shared += int(p.untyped_storage().nbytes() > 0)
+                    continue
+                is_trained = id(p) in trained
+                dtype = work if (is_trained and work is not None) else p.dtype
+                b.weights.append(_Weight(p, pname, is_trained, dtype))
+        self._ctx: list[bool] = []      # per running block forward: whether the pager pushed hooks
+        self._tasks: set[int] = set()   # graph tasks with an end-of-backward callback queued
+        self._handles: list[Any] = []
+        self.moves = 0                  # blocks copied to the device since the last reset_stats()
+        self.moved_bytes = 0
+        self.weight_refs = 0            # saved tensors replaced by references to paged weights
+        # The step's peak for the planner, and its reset: the CUDA allocator's on a GPU (None on
+        # the CPU: no planning there; a test may set both).
+        self.measure: Optional[Callable[[], int]] = None
+        self.reset_measure: Optional[Callable[[], None]] = None
+        if self.cuda:
+            dev = self.device
+            self.measure = lambda: torch.cuda.max_memory_allocated(dev)
+            self.reset_measure = lambda: torch.cuda.reset_peak_memory_stats(dev)
+
+    # ---- what is paged
+    @property
+    def paged(self) -> set[int]:
+        return {b.index for b in self.blocks if b.paged}
+
+    @property
+    def block_bytes(self) -> list[int]:
+        return [b.nbytes for b in self.blocks]
+
+    @property
+    def paged_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks if b.paged)
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of frozen weights held in the pager's own region (the arena)."""
+        return sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if not w.trained)
+
+    @property
+    def trained_paged_bytes(self) -> int:
+        """Bytes of trained weights paged (their only copy is their parameter slot)."""
+        return sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if w.trained)
+
+    def reset_stats(self) -> None:
+        self.moves = self.moved_bytes = 0
+
+    def outside_bytes(self) -> int:
+        """What the model keeps on the device outside the pageable weights (parameters and
+        buffers, trained ones in their working dtype)."""
+        pageable = {id(w.param) for b in self.blocks for w in b.weights}
+        total = 0
+        for p in {id(p): p for p in self.model.parameters()}.values():
+            if id(p) not in pageable:
+                total += p.numel() * (self.work.itemsize if (id(p) in self.trained and self.work) else p.element_size())
+        total += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        return total
+
+    def largest_trained_block(self) -> int:
+        """The gradients of the largest block in flight at once (their bytes)."""
+        return max((sum(w.nbytes for w in b.weights if w.trained) for b in self.blocks), default=0)
+
+    def _block(self, i: Any) -> _Block:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.blocks):
+            raise ValueError(f"block index must be an int in [0, {len(self.blocks)}) (the model's {self.name} has "
+                             f"{len(self.blocks)} blocks), not {i!r}")
+        if self.closed:
+            raise RuntimeError("this weight pager was closed (the model was unwrapped)")
+        return self.blocks[i]
+
+    # ---- moving blocks between steps
+    def page(self, i: int) -> bool:
+        """Moves block `i`'s weights into tsd's memory (trained: their parameter slots; frozen: a
+        block of the pager's arena) and frees them on the device. Between steps only. Returns
+        False when it was paged already."""
+        b = self._block(i)
+        if b.paged:
+            return False
+        self._quiesce()
+        # Every copy first; only when all of them succeeded are the device copies freed, so a
+        # failure (tsd cannot lend the frozen weights' memory) leaves the block as it was.
+        taken: list[HostBlock] = []
+        try:
+            with torch.no_grad():
+                for w in b.weights:
+                    p = w.param
+                    if w.trained:
+                        slots = self.session.by_param.get(id(p))
+                        if slots is None or slots.param_slot is None:
+                            raise RuntimeError(f"parameter {w.name} of block {i} is trained but has no parameter "
+                                               f"slot in tsd (the session was released?)")
+                        w.slots = slots
+                        w.source().copy_(p.detach())  # casts to the working dtype (param_dtype=) too
+                    else:
+                        if self.arena is None:
+                            self.arena = self._new_arena()
+                        block = self.arena.alloc(w.nbytes)
+                        taken.append(block)
+                        w.block, w.host = block, block.view(w.dtype, w.shape, _contiguous_strides(w.shape))
+                        w.host.copy_(p.detach())
+        except BaseException:
+            for w in b.weights:
+                w.block = w.host = None
+            for block in taken:
+                block.release()
+            raise
+        for w in b.weights:
+            if w.slots is not None:
+                w.slots.paged = True
+            w.param.data = self._empty(w)
+        b.paged, b.loaded, b.event, b.bw_started = True, False, None, False
+        return True
+
+    def unpage(self, i: int) -> bool:
+        """Brings block `i`'s weights back to the device to stay (between steps). Returns False
+        when it was resident already."""
+        b = self._block(i)
+        if not b.paged:
+            return False
+        self._quiesce()
+        self._drop(b)
+        self._load_now(b, self.device)
+        for w in b.weights:
+            if w.slots is not None:
+                w.slots.paged = False
+                w.slots.version = w.param._version
+            elif w.block is not None:
+                w.block.release()
+                w.block, w.host = None, None
+        b.paged = False
+        return True
+
+    def move_to(self, paged: set[int]) -> None:
+        """Pages and unpages blocks so that `paged` are the paged ones (paging out first)."""
+        now = self.paged
+        for i in sorted(paged - now):
+            self.page(i)
+        for i in sorted(now - paged):
+            self.unpage(i)
+
+    def close(self) -> None:
+        """Brings every paged block back (to the device when they fit in its free memory, else to
+        the CPU, with a warning) and removes the hooks; the arena goes back to tsd."""
+        if self.closed:
+            return
+        try:
+            self._quiesce()
+        except Exception:  # the daemon is gone: the slots are still mapped, with the last values
+            pass
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        need = self.paged_bytes
+        target = self.device
+        if self.cuda and need:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > 0.9 * free:
+                target = torch.device("cpu")
+                warnings.warn(f"trainstream: the paged blocks' weights ({format_bytes(need)}) do not fit in the free "
+                              f"memory of {self.device} ({format_bytes(free)}): unwrap() gives them back on the CPU")
+        for b in self.blocks:
+            if b.paged:
+                self._drop(b)
+                self._load_now(b, target)
+                for w in b.weights:
+                    if w.slots is not None:
+                        w.slots.paged = False
+                        w.slots.version = w.param._version
+                    elif w.block is not None:
+                        w.block.release()
+                        w.block, w.host = None, None
+                b.paged = False
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        self.closed = True
+
+    # ---- the step
+    def after_step(self) -> None:
+        """From `finish_step()`: frees what is still on the device (the slots were updated), then
+        lets the session's planner (param_offload="auto", or one set by hand) look at the step's
+        peak and move blocks."""
+        for b in self.blocks:
+            if b.paged and b.loaded:
+                self._drop(b)
+            b.bw_started = False
+        planner = getattr(self.session, "planner", None)
+        if planner is None or self.measure is None or self.closed:
+            return
+        peak = self.measure()
+        new = planner.observe(peak, self.paged)
+        self.session.events.extend(planner.take_events())
+        if new is not None:
+            self.move_to(set(new))
+        if (not planner.done or new is not None) and self.reset_measure is not None:
+            self.reset_measure()  # settled, the watchdog compares the peak since the last change
+
+    # ---- copies
+    def _new_arena(self) -> HostArena:
+        client = self.session.client
+        if client is None:
+            raise RuntimeError("the session has no tsd client (it was released): frozen weights cannot be paged")
+        return HostArena(client, purpose="paged frozen weights",
+                         advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), "
+                                "page fewer blocks (param_offload=), or quantize the frozen base (quantize=)")
+
+    def _empty(self, w: _Weight) -> torch.Tensor:
+        return torch.empty(0, dtype=w.dtype, device=self.device)
+
+    def _quiesce(self) -> None:
+        """No delivery in flight: tsd writes no slot while the pager reads or writes them."""
+        s = self.session
+        if s.offloading and s.handle is not None and not s.closed:
+            s.idle()
+
+    def _load_now(self, b: _Block, device: torch.device) -> None:
+        """Copies block `b`'s weights to `device` on the current stream and waits (between steps)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for w in b.weights:
+                t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
+                t.copy_(w.source())
+                w.param.data = t
+        b.loaded = False
+
+    def _prefetch(self, b: _Block) -> None:
+        """Starts copying paged block `b` to the device (on the copy stream)."""
+        if not b.paged or b.loaded:
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            if self.cuda:
+                stream = self.stream
+                with torch.cuda.stream(stream):
+                    for w in b.weights:
+                        t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+                        t.copy_(w.source(), non_blocking=True)
+                        w.param.data = t
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                b.event = event
+                b.waited = set()
+            else:
+                for w in b.weights:
+                    t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+                    t.copy_(w.source())
+                    w.param.data = t
+        b.loaded = True
+        self.moves += 1
+        self.moved_bytes += b.nbytes
+
+    def _use(self, b: _Block) -> None:
+        """Before the current stream reads block `b`'s weights: it waits for their copy, and the
+        allocator learns that it uses them (so freeing them later waits for its kernels)."""
+        if not b.paged:
+            return
+        if not b.loaded:
+            self._prefetch(b)
+        if self.cuda and b.event is not None:
+            cur = torch.cuda.current_stream(self.device)
+            if cur.cuda_stream not in b.waited:
+                cur.wait_event(b.event)
+                for w in b.weights:
+                    w.param.data.record_stream(cur)
+                b.waited.add(cur.cuda_stream)
+
+    def _drop(self, b: _Block) -> None:
+        if b.paged and b.loaded:
+            for w in b.weights:
+                w.param.data = self._empty(w)
+        b.loaded, b.event, b.waited = False, None, set()
+
+    def _next_paged(self, i: int, step: int) -> Optional[_Block]:
+        j = i + step
+        while 0 <= j < len(self.blocks):
+            if self.blocks[j].paged:
+                return self.blocks[j]
+            j += step
+        return None
+
+    # ---- hooks
+    def install(self) -> None:
+        if self._handles or self.closed:
+            return
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre))
+        for b in self.blocks:
+            self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
+            self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
+            self._handles.append(b.module._register_state_dict_hook(self._state_dict_hook(b)))
+            self._handles.append(b.module.register_load_state_dict_pre_hook(self._load_hook(b)))
+
+    def reinstall(self) -> None:
+        """Registers the hooks again, after hooks installed since (an activation pager's), so the
+        saved-tensor hooks this pager pushes stay on top of theirs."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.install()
+
+    def _model_pre(self, module: nn.Module, args: Any) -> None:
+        if not _in_backward():
+            first = self._next_paged(-1, 1)
+            if first is not None:
+                self._prefetch(first)
+
+    def _pre_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            backward = _in_backward()
+            if backward:
+                self._backward_reached(b)  # a recompute (gradient checkpointing)
+            if b.paged:
+                self._use(b)
+            if not backward:
+                nxt = self._next_paged(b.index, 1)
+                if nxt is not None:
+                    self._prefetch(nxt)
+            pushed = b.paged and torch.is_grad_enabled()
+            if pushed:
+                self._push_hooks(b)
+            self._ctx.append(pushed)
+        return hook
+
+    def _post_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._ctx and self._ctx.pop():
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            if not b.paged or not b.loaded or _in_backward():
+                return  # resident; or a recompute: it stays for its backward
+            last = max(self.paged)
+            if torch.is_grad_enabled() and b.index == last:
+                return  # the first block backward needs
+            self._drop(b)
+        return hook
+
+    def _push_hooks(self, b: _Block) -> None:
+        ptrs: dict[int, tuple[int, int]] = {}
+        for k, w in enumerate(b.weights):
+            st = w.param.untyped_storage()
+            if st.nbytes():
+                ptrs[st.data_ptr()] = (k, int(w.param.storage_offset()))
+        prev = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        prev_pack, prev_unpack = prev if prev is not None else (None, None)
+        index = b.index
+
+        def pack(t: torch.Tensor) -> Any:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device == self.device:
+                try:
+                    hit = ptrs.get(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    hit = None
+                if hit is not None and t.dtype == b.weights[hit[0]].dtype:
+                    self.weight_refs += 1
+                    return _WeightRef(index, hit[0], t, hit[1])
+            if prev_pack is not None:
+                return _Delegated(prev_pack(t), prev_unpack)
+            return t
+
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, self._unpack)
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, _Delegated):
+            return x.unpack(x.packed)
+        if not isinstance(x, _WeightRef):
+            return x
+        b = self.blocks[x.block]
+        if _in_backward():
+            self._backward_reached(b)
+        self._use(b)
+        w = b.weights[x.k].param
+        return w.data.as_strided(x.size, x.stride, w.storage_offset() + x.offset)
+
+    def _backward_reached(self, b: _Block) -> None:
+        """Block `b`'s backward starts: the paged blocks above it whose backward ran are freed, and
+        the copy of the next paged block below starts."""
+        if b.bw_started:
+            return
+        b.bw_started = True
+        for other in self.blocks[b.index + 1:]:
+            if other.paged and other.loaded and other.bw_started:
+                self._drop(other)
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._tasks:
+            self._tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
+        nxt = self._next_paged(b.index, -1)
+        if nxt is not None:
+            self._prefetch(nxt)
+
+    def _backward_done(self, task: int) -> None:
+        self._tasks.discard(task)
+        for b in self.blocks:
+            if b.bw_started:
+                self._drop(b)
+                b.bw_started = False
+
+    # ---- state_dict
+    def _state_dict_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            if b.paged and not b.loaded:
+                for w in b.weights:
+                    if prefix + w.name in state_dict:
+                        state_dict[prefix + w.name] = w.source().detach()
+        return hook
+
+    def _load_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
+            if b.paged and any(prefix + w.name in state_dict for w in b.weights):
+                raise RuntimeError(f"block {b.index} of {self.name} is paged (its weights live in tsd's memory): "
+                                   f"call unwrap_session(model).pager.unpage({b.index}) before load_state_dict(), or "
+                                   f"load the state before trainstream.wrap()")
+        return hook
+
+    def __repr__(self) -> str:
+        return (f"<trainstream WeightPager: {len(self.paged)} of {len(self.blocks)} blocks of {self.name} paged "
+                f"({format_bytes(self.paged_bytes)})>")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+

@@ -1,0 +1,789 @@
+"""Weight paging (wrap(param_offload=...), trainstream.paging.weights): the weights of paged blocks
+live in tsd's memory and visit the device only while forward or backward needs them.
+
+The CPU tests run every path but the CUDA streams on device="cpu" with a real tsd; the CUDA tests
+(skipped without a GPU) prove the streams, the memory saved, the capped auto plan and the
+watchdog. Paging never changes results: paged runs are compared with unpaged tsd runs for exact
+equality (losses and parameters), since both run the same AdamW in tsd."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import trainstream
+from gpt import GPT, batches, loss_of, make_gpt, param_groups, train
+from trainstream.planner import Budget, MemoryPlanner
+from trainstream.wiring import unwrap_session
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HP = dict(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.05)
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the GPU machine)")
+
+
+# --------------------------------------------------------------------------- models and loops
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Stack(nn.Module):
+    """TrainStream's planner test model: an embedding, `n` MLP blocks, a head."""
+
+    def __init__(self, d=256, n=6, vocab=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class CheckpointedGPT(GPT):
+    """The test GPT with gradient checkpointing around every block."""
+
+    def __init__(self, reentrant, **kw):
+        super().__init__(**kw)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=self.reentrant) if torch.is_grad_enabled() else blk(x)
+        return self.head(self.ln(x))
+
+
+def lm_steps(model, opt, data, between=None):
+    out = []
+    for k, t in enumerate(data):
+        logits = model(t[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), t[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+        if between:
+            between(k)
+    return out
+
+
+def tokens(n, seed=3, batch=8, seq=32, vocab=128, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device) for _ in range(n)]
+
+
+def params_of(model):
+    """name -> a CPU copy of every parameter (paged ones from tsd's memory, through state_dict())."""
+    sd = model.state_dict()
+    return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+
+
+def assert_same(a, b, what):
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{what}: parameters differ bit-wise: {bad[:5]} (max diff " \
+                    f"{max((a[k] - b[k]).abs().max().item() for k in bad):.3g}); paging must not change results"
+
+
+def storage_bytes(module):
+    return sum(p.untyped_storage().nbytes() for p in module.parameters())
+
+
+def wrapped_run(tsd, make, device, steps, data=None, opt_groups=None, between=None, after_wrap=None, **wrap_kw):
+    """Trains make() wrapped with wrap_kw; returns (losses, parameters, events, the session)."""
+    model = make()
+    groups = opt_groups(model) if opt_groups else [p for p in model.parameters() if p.requires_grad]
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(groups, **HP), device=device, socket=tsd.socket,
+                                  offload=True, **wrap_kw)
+    s = unwrap_session(model)
+    try:
+        if after_wrap:
+            after_wrap(model, s)
+        data = data if data is not None else batches(steps, device=device)
+        losses = []
+        for k, t in enumerate(data[:steps]):
+            loss = loss_of(model, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if between:
+                between(k, model, s)
+        return losses, params_of(model), list(s.events), s
+    finally:
+        trainstream.unwrap(model)
+
+
+# --------------------------------------------------------------------------- CPU: results and paths
+@pytest.mark.parametrize("offload,accumulation,clip", [(True, 1, None), (0.5, 2, 0.05), ([1, 3], 1, 1.0)])
+def test_paged_run_equals_unpaged_bit_for_bit(tsd, offload, accumulation, clip):
+    """Every block, half the blocks, two chosen blocks; with accumulation and clipping."""
+    data = batches(8 * accumulation)
+
+    def run(po):
+        model = make_gpt(0, layers=4, d=32)
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                      socket=tsd.socket, offload=True, param_offload=po, max_grad_norm=clip,
+                                      accumulation_steps=accumulation)
+        s = unwrap_session(model)
+        try:
+            losses = train(model, opt, data, 8, accumulation)
+            paged = set(s.pager.paged) if s.pager else set()
+            empty = [i for i, blk in enumerate(model.blocks) if storage_bytes(blk) == 0]
+            return losses, params_of(model), paged, empty, s
+        finally:
+            trainstream.unwrap(model)
+
+    a, pa, _, _, _ = run(False)
+    b, pb, paged, empty, s = run(offload)
+    want = {0, 1, 2, 3} if offload is True else {0, 2} if offload == 0.5 else set(offload)
+    assert paged == want
+    assert set(empty) == want, "paged blocks hold no weights between steps"
+    assert b == a, "losses of the paged run differ from the unpaged run's"
+    assert_same(pb, pa, f"param_offload={offload!r}")
+    assert any("param_offload" in e and "paged from tsd's memory" in e for e in s.events)
+
+
+def test_optimizer_state_dict_with_paged_blocks_equals_unpaged(tsd):
+    """The optimizer's state_dict() has every paged parameter's state in its shape, equal to an
+    unpaged run's; load_state_dict() refuses a paged parameter, naming what to do, and changes nothing."""
+    data = batches(3)
+
+    def run(po):
+        model = make_gpt(0, layers=3, d=32)
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                      socket=tsd.socket, offload=True, param_offload=po)
+        train(model, opt, data, 3)
+        return model, opt
+
+    ref, ref_opt = run(False)
+    mine, opt = run([0, 2])
+    try:
+        a, b = ref_opt.state_dict(), opt.state_dict()
+        assert a["state"].keys() == b["state"].keys()
+        for k in a["state"]:
+            for part in ("exp_avg", "exp_avg_sq", "master"):
+                assert b["state"][k][part].shape == a["state"][k][part].shape, (k, part)
+                assert torch.equal(b["state"][k][part], a["state"][k][part]), (k, part)
+        before = [t.clone() for t in (b["state"][0]["exp_avg"],)]
+        with pytest.raises(ValueError, match="paged block"):
+            opt.load_state_dict(a)
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before[0])
+    finally:
+        trainstream.unwrap(mine)
+        trainstream.unwrap(ref)
+
+
+def test_unwrap_gives_every_weight_back_and_the_model_trains_on(tsd):
+    ref = make_gpt(0, layers=3)
+    mine = copy.deepcopy(ref)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                 offload=True, param_offload=True)
+    s = unwrap_session(mine)
+    assert s.pager.paged == {0, 1, 2} and s.pager.frozen_bytes == 0
+    assert all(storage_bytes(b) == 0 for b in mine.blocks)
+    assert all(p.shape == (0,) for p in mine.blocks[0].parameters())
+    trainstream.unwrap(mine)
+    assert s.pager is None
+    for (n, p), (_, q) in zip(mine.named_parameters(), ref.named_parameters()):
+        assert p.shape == q.shape and torch.equal(p, q), n  # no step was taken: the initial weights
+    assert not mine._forward_pre_hooks and not mine.blocks[0]._forward_pre_hooks  # hooks gone
+    loss_of(mine, batches(1)[0]).backward()  # a plain model again
+    assert all(p.grad is not None for p in mine.parameters())
+
+
+def test_activation_paging_and_weight_paging_together(tsd):
+    """The weight pager's saved-tensor hooks sit on top of the activation pager's and hand it
+    every saved tensor that is not a weight."""
+    make = lambda: make_gpt(0, layers=3, d=64)  # noqa: E731
+    low = lambda m, s: setattr(s.act_pager, "min_bytes", 1024)  # noqa: E731  (this model's tensors are small)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 6)
+    b, pb, _, s = wrapped_run(tsd, make, "cpu", 6, param_offload=[0, 2], activation_offload=True, after_wrap=low)
+    assert s.act_pager is None  # unwrapped
+    assert b == a
+    assert_same(pb, pa, "activation + weight paging")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(tsd, reentrant):
+    """Blocks recomputed in backward: a paged block is brought back for the recompute and kept
+    until its backward is done."""
+    make = lambda: CheckpointedGPT(reentrant, layers=4, d=32)  # noqa: E731
+
+    def seeded():
+        torch.manual_seed(0)
+        return make()
+
+    a, pa, _, _ = wrapped_run(tsd, seeded, "cpu", 6)
+    b, pb, _, s = wrapped_run(tsd, seeded, "cpu", 6, param_offload=[0, 1, 3])
+    assert b == a
+    assert_same(pb, pa, f"checkpointing (use_reentrant={reentrant})")
+    assert s.pager is None
+
+
+def test_frozen_base_is_paged_from_a_region_of_its_own(tsd):
+    """A LoRA-like run: the blocks' linear weights are frozen (tsd's arena holds their paged
+    copies), the norms and biases train (their parameter slots are their paged copies)."""
+
+    def make():
+        m = make_gpt(0, layers=4, d=32)
+        for blk in m.blocks:
+            for lin in (blk.qkv, blk.proj, blk.fc, blk.out):
+                lin.weight.requires_grad_(False)
+        return m
+
+    seen = {}
+
+    def look(model, s):
+        seen["frozen"] = s.pager.frozen_bytes
+        seen["trained"] = s.pager.trained_paged_bytes
+        seen["arena"] = s.pager.arena.capacity_bytes if s.pager.arena else 0
+        seen["job"] = [j for j in s.client.jobs() if j.name == s.client.job][0].used_bytes
+
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 6)
+    b, pb, _, _ = wrapped_run(tsd, make, "cpu", 6, param_offload=True, after_wrap=look)
+    d = 32
+    assert seen["frozen"] == 4 * 4 * (3 * d * d + d * d + 4 * d * d + 4 * d * d)  # 4 blocks, fp32
+    assert seen["trained"] > 0 and seen["arena"] >= seen["frozen"]
+    assert seen["job"] >= seen["arena"]  # the region is the job's, charged to its quota
+    assert b == a
+    assert_same(pb, pa, "frozen base paged")
+
+
+def test_blocks_move_between_vram_and_ram_mid_training_without_changing_results(tsd):
+    """TrainStream's test, on the CPU: page(i) / unpage(i) between steps; the result equals an
+    unpaged run exactly (and torch.optim.AdamW closely)."""
+    torch.manual_seed(0)
+    ref = Stack(d=64)
+    mine, plain = copy.deepcopy(ref), copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    data = tokens(8)
+    a = lm_steps(ref, opt_ref, data)
+    plain, opt_plain = trainstream.wrap(plain, torch.optim.AdamW(plain.parameters(), **HP), device="cpu",
+                                        socket=tsd.socket, offload=True, activation_offload=False)
+    try:
+        c = lm_steps(plain, opt_plain, data)
+        pc = params_of(plain)
+    finally:
+        trainstream.unwrap(plain)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                 offload=True, param_offload=[0, 2, 4], activation_offload=False)
+    pager = unwrap_session(mine).pager
+    moves = {1: ([0], [1, 5]), 3: ([1, 2, 4, 5], []), 5: ([], [0, 3])}  # after step k: (unpage, page)
+
+    def between(k):
+        if k in moves:
+            unpage, page = moves[k]
+            for i in page:
+                assert pager.page(i)
+            for i in unpage:
+                assert pager.unpage(i)
+
+    try:
+        b = lm_steps(mine, opt, data, between)
+        opt.synchronize()
+        assert b == pytest.approx(a, abs=1e-4)
+        assert b == c  # exactly the unpaged tsd run
+        assert pager.paged == {0, 3}
+        assert not pager.page(0) and not pager.unpage(1)  # already there: nothing to do
+        sizes = [storage_bytes(blk) for blk in mine.blocks]
+        assert all(sizes[i] > 0 for i in (1, 2, 4, 5)) and sizes[0] == sizes[3] == 0
+        pm = params_of(mine)
+        assert_same(pm, pc, "blocks moved mid-training")
+        sd_ref = ref.state_dict()
+        assert max((pm[k] - sd_ref[k].float()).abs().max().item() for k in sd_ref) < 2e-4
+    finally:
+        trainstream.unwrap(mine)
+
+
+def test_eval_and_generation_with_paged_blocks(tsd):
+    torch.manual_seed(0)
+    ref = Stack(d=64)
+    mine = copy.deepcopy(ref)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                 offload=True, param_offload=[1, 2, 5])
+    try:
+        mine.eval()
+        ref.eval()
+        x = tokens(1)[0][:, :-1]
+        with torch.no_grad():
+            assert torch.equal(mine(x), ref(x))
+        assert storage_bytes(mine.blocks[1]) == 0  # freed again after the forward
+
+        def greedy(model, idx, n):
+            for _ in range(n):
+                nxt = model(idx)[:, -1].argmax(-1, keepdim=True)
+                idx = torch.cat([idx, nxt], 1)
+            return idx
+
+        with torch.inference_mode():
+            out = greedy(mine, x[:2, :4], 6)
+        with torch.no_grad():
+            assert torch.equal(out, greedy(ref, x[:2, :4], 6))
+        mine.train()
+        # Training after inference-mode forwards: the weights copied in are ordinary tensors.
+        lm_steps(mine, opt, tokens(2))
+    finally:
+        trainstream.unwrap(mine)
+
+
+def test_param_offload_options_are_checked(tsd):
+    model = make_gpt(0, layers=2)
+    opt = torch.optim.AdamW(model.parameters())
+    for bad, match in ((0.0, "fraction"), (1.5, "fraction"), ("some", "must be False, True, 'auto'"),
+                       ([0, "1"], "ints"), ([-1], "ints"), ([2], r"not in \[0, 2\)"), (3, "must be False")):
+        with pytest.raises(ValueError, match=match):
+            trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_offload=bad)
+    with pytest.raises(ValueError, match=r"repeated block stack.*Sequential has none"):
+        seq = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        trainstream.wrap(seq, torch.optim.AdamW(seq.parameters()), device="cpu", socket=tsd.socket, param_offload=True)
+    with pytest.raises(ValueError, match="repeated block stack"):
+        trainstream.plan_wrap(seq, torch.optim.AdamW(seq.parameters()), device="cpu", socket=tsd.socket,
+                              param_offload=[0])
+    assert trainstream.unwrap_session(model) is None  # nothing was wrapped
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    # On the CPU there is no VRAM to plan for: "auto" pages nothing, and says so.
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_offload="auto")
+    s = unwrap_session(model)
+    try:
+        assert s.pager.paged == set() and s.planner is None
+        assert any("pages nothing on cpu" in e for e in s.events)
+        with pytest.raises(ValueError, match=r"block index must be an int in \[0, 2\)"):
+            s.pager.page(2)
+        with pytest.raises(ValueError, match="block index"):
+            s.pager.unpage(True)
+        s.pager.page(1)
+        with pytest.raises(RuntimeError, match=r"block 1 of blocks is paged.*unpage\(1\)"):
+            model.load_state_dict(model.state_dict())
+        s.pager.unpage(1)
+        model.load_state_dict(model.state_dict())  # resident again: loads as usual
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_an_optimizer_that_already_stepped_keeps_its_state_with_paged_blocks(tsd):
+    """wrap() loads the state of an optimizer that stepped before it, then pages: the paged run
+    equals the unpaged one."""
+    data = batches(6)
+
+    def run(po):
+        model = make_gpt(0, layers=4, d=32)
+        opt = torch.optim.AdamW(model.parameters(), **HP)
+        for t in data[:2]:  # two stock steps first
+            loss_of(model, t).backward()
+            opt.step()
+            opt.zero_grad()
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload=True, param_offload=po)
+        try:
+            losses = lm_free_train(model, opt, data[2:])
+            return losses, params_of(model)
+        finally:
+            trainstream.unwrap(model)
+
+    a, pa = run(False)
+    b, pb = run([0, 2, 3])
+    assert b == a
+    assert_same(pb, pa, "stepped optimizer, then paging")
+
+
+def lm_free_train(model, opt, data):
+    out = []
+    for t in data:
+        loss = loss_of(model, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_param_dtype_working_copies_are_paged_into_their_slots(tsd):
+    """param_dtype=torch.bfloat16: a paged block's working copies are bf16 in its slots, cast from
+    the fp32 weights the same way as resident ones."""
+    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 6, param_dtype=torch.bfloat16)
+    b, pb, _, s = wrapped_run(tsd, make, "cpu", 6, param_dtype=torch.bfloat16, param_offload=[0, 3])
+    assert b == a
+    assert_same(pb, pa, "bf16 working copies paged")
+
+
+def test_the_graph_keeps_no_weight_memory_between_forward_and_backward(tsd):
+    """After forward, paged blocks hold no storage (but the last one, which backward needs first):
+    the graph saved references to their weights, not the weights (an addmm saves weight.t(), a
+    view that would keep the memory alive)."""
+    model = make_gpt(0, layers=4, d=32)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 1, 2])
+    s = unwrap_session(model)
+    try:
+        loss = loss_of(model, batches(1)[0])
+        assert [storage_bytes(b) > 0 for b in model.blocks] == [False, False, True, True]
+        refs = s.pager.weight_refs
+        assert refs >= 3 * 5  # qkv, proj, fc, out weights and the norms' parameters, per paged block
+        loss.backward()
+        assert [storage_bytes(b) > 0 for b in model.blocks] == [False, False, False, True]
+        assert s.pager.moves == 3 + 2  # forward: 0, 1, 2; backward: 1, 0 (2 stayed)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(batches(1)[0][:, :-1])
+        assert s.pager.weight_refs == refs  # nothing is saved without autograd
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_the_planner_drives_the_pager_from_measured_peaks(tsd):
+    """The pager's step hook on the CPU, with the peak measurement replaced: a planner set on the
+    session refines the plan (blocks move in and out between steps), settles after two steady
+    steps, then its watchdog pages one block per grown step; results stay those of an unpaged
+    run, and every decision is an event."""
+    make = lambda: make_gpt(0, layers=6, d=32)  # noqa: E731
+    data = batches(8)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 8, data=data)
+    steps = []
+
+    def setup(model, s):
+        s.planner = MemoryPlanner(Budget(vram_usable=2000), [100] * 6)  # target 1900
+
+        def measure():  # 1350 besides the blocks (3000 more in step 6), 100 a block, two in flight
+            steps.append(1)
+            paged = s.pager.paged
+            return (1350 + (3000 if len(steps) == 6 else 0) + 100 * (6 - len(paged))
+                    + s.planner.buffers(paged))
+        s.pager.measure = measure
+        s.pager.reset_measure = lambda: None
+
+    plans = []
+
+    def between(k, model, s):
+        plans.append((sorted(s.pager.paged), s.planner.done))
+
+    b, pb, events, s = wrapped_run(tsd, make, "cpu", 8, data=data, param_offload=[0, 1, 2, 3, 4],
+                                   after_wrap=setup, between=between)
+    # 1650 with 5 paged: two more resident fit under the target (1900), a third would not (1950);
+    # 1850 with 3 paged: steady, twice: settled; step 6 grows: the watchdog pages one block.
+    assert [len(p) for p, _ in plans] == [3, 3, 3, 3, 3, 4, 4, 4], plans
+    assert [d for _, d in plans] == [False, False, True, True, True, True, True, True], plans
+    assert any(e.startswith("memory plan refined: 3 of 6 blocks resident") for e in events), events
+    assert any(e.startswith("memory plan settled: 3 of 6 blocks resident") for e in events), events
+    assert any(e.startswith("memory watchdog: step 6 peaked") for e in events), events
+    assert b == a
+    assert_same(pb, pa, "planner-driven moves")
+
+
+def test_frozen_weights_that_tsd_cannot_hold_are_refused_and_nothing_stays(tsd):
+    """The arena for frozen weights cannot grow past the job's quota: wrap() raises QuotaExceeded
+    (naming the frozen weights and what to do), gives the paged blocks back and releases the job."""
+    model = make_gpt(0, layers=4, d=128)
+    for blk in model.blocks:
+        for lin in (blk.qkv, blk.proj, blk.fc, blk.out):
+            lin.weight.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    need = trainstream.plan_wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                                 moment_dtype="float32").state_bytes
+    # check_memory counts the paged frozen weights and refuses before anything is allocated ...
+    with pytest.raises(trainstream.MemoryCheckFailed, match=r"paged frozen weights"):
+        trainstream.wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                         moment_dtype="float32", quota=need + (64 << 10), param_offload=True)
+    # ... and without it, the pager's arena is refused by the quota while paging.
+    with pytest.raises(trainstream.QuotaExceeded, match=r"paged frozen weights.*page fewer blocks"):
+        trainstream.wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                         moment_dtype="float32", quota=need + (64 << 10), param_offload=True, check_memory=False)
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert c.status().jobs == 0
+    assert unwrap_session(model) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert not model.blocks[0]._forward_pre_hooks
+
+
+# --------------------------------------------------------------------------- CUDA
+def cuda_pair_runs(tsd, make, steps, po, data=None, autocast=False, **kw):
+    """(losses, params, session events) of an unpaged and a paged tsd run on CUDA."""
+    def run(option):
+        model = make()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                               **HP),
+                                      device="cuda", socket=tsd.socket, offload=True, param_offload=option, **kw)
+        s = unwrap_session(model)
+        try:
+            out = []
+            torch.cuda.reset_peak_memory_stats()
+            for t in (data or batches(steps, device="cuda")):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = loss_of(model, t)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.item())
+            peak = torch.cuda.max_memory_allocated()
+            return out, params_of(model), list(s.events), peak, (s.pager.moves if s.pager else 0)
+        finally:
+            trainstream.unwrap(model)
+    return run(False), run(po)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,autocast", [(None, False), (torch.bfloat16, True)])
+def test_cuda_paged_equals_unpaged_and_lowers_the_peak(tsd, dtype, autocast):
+    """fp32 working weights, and bf16 working weights (param_dtype=) under bf16 autocast: paged vs
+    unpaged identical bit for bit; the peak drops by most of the paged blocks' weights."""
+    make = lambda: make_gpt(0, layers=8, d=256, seq=64)  # noqa: E731  8 blocks of 3 MiB (fp32)
+    data = batches(6, batch=8, seq=64, device="cuda")
+    (a, pa, _, peak_a, _), (b, pb, ev, peak_b, moves) = cuda_pair_runs(
+        tsd, make, 6, True, data=data, autocast=autocast, param_dtype=dtype)
+    print(f"param_dtype={dtype}: peak unpaged {peak_a / 2**20:.1f} MiB, every block paged {peak_b / 2**20:.1f} MiB, "
+          f"{moves} block copies; events: {ev}")
+    assert b == a, f"losses differ: unpaged {a} vs paged {b}"
+    assert_same(pb, pa, f"CUDA param_dtype={dtype}")
+    block = 12 * 256 * 256 * (2 if dtype else 4)
+    assert peak_b < peak_a - 4 * block, (f"paging 8 blocks of {block / 2**20:.1f} MiB should lower the peak by more "
+                                         f"than 4 of them: {peak_a / 2**20:.1f} -> {peak_b / 2**20:.1f} MiB")
+    assert moves >= 6 * 8, "each block is copied in at least once per step"
+
+
+@needs_cuda
+def test_cuda_frozen_lora_base_paged(tsd):
+    def make():
+        m = make_gpt(0, layers=6, d=128)
+        for blk in m.blocks:
+            for lin in (blk.qkv, blk.proj, blk.fc, blk.out):
+                lin.weight.requires_grad_(False)
+        return m
+    (a, pa, _, _, _), (b, pb, ev, _, _) = cuda_pair_runs(tsd, make, 6, [0, 2, 3, 5])
+    assert b == a, f"losses differ: unpaged {a} vs paged {b}"
+    assert_same(pb, pa, "CUDA frozen base paged")
+    assert any("frozen (a region of their own)" in e and "0 B frozen" not in e for e in ev), ev
+
+
+@needs_cuda
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_cuda_gradient_checkpointing(tsd, reentrant):
+    make = lambda: (torch.manual_seed(0), CheckpointedGPT(reentrant, layers=6, d=128))[1].cuda()  # noqa: E731
+    (a, pa, _, _, _), (b, pb, _, _, _) = cuda_pair_runs(tsd, make, 6, 0.5)
+    assert b == a, f"use_reentrant={reentrant}: losses differ: unpaged {a} vs paged {b}"
+    assert_same(pb, pa, f"CUDA checkpointing use_reentrant={reentrant}")
+
+
+@needs_cuda
+def test_cuda_blocks_move_between_vram_and_ram_mid_training_without_changing_results(tsd):
+    """TrainStream's test: after steps 1, 3 and 5 blocks are paged and unpaged."""
+    torch.manual_seed(0)
+    ref = Stack().cuda()
+    mine, plain = copy.deepcopy(ref), copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+    data = tokens(8, device="cuda")
+    a = lm_steps(ref, opt_ref, data)
+    plain, opt_plain = trainstream.wrap(plain, torch.optim.AdamW(plain.parameters(), **HP), socket=tsd.socket,
+                                        offload=True, activation_offload=False)
+    try:
+        c = lm_steps(plain, opt_plain, data)
+        pc = params_of(plain)
+    finally:
+        trainstream.unwrap(plain)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), socket=tsd.socket, offload=True,
+                                 param_offload=[0, 2, 4], activation_offload=False)
+    pager = unwrap_session(mine).pager
+    moves = {1: ([0], [1, 5]), 3: ([1, 2, 4, 5], []), 5: ([], [0, 3])}
+
+    def between(k):
+        if k in moves:
+            unpage, page = moves[k]
+            for i in page:
+                pager.page(i)
+            for i in unpage:
+                pager.unpage(i)
+
+    try:
+        b = lm_steps(mine, opt, data, between)
+        opt.synchronize()
+        assert b == pytest.approx(a, abs=1e-4)
+        assert b == c, f"losses differ from the unpaged tsd run: {c} vs {b}"
+        assert pager.paged == {0, 3}
+        sizes = [storage_bytes(blk) for blk in mine.blocks]
+        assert all(sizes[i] > 0 for i in (1, 2, 4, 5)) and sizes[3] == 0  # resident blocks hold weights
+        assert all(p.is_cuda for p in mine.blocks[3].parameters())
+        pm = params_of(mine)
+        assert_same(pm, pc, "CUDA blocks moved mid-training")
+        sd_ref = ref.state_dict()
+        assert max((pm[k] - sd_ref[k].float().cpu()).abs().max().item() for k in sd_ref) < 2e-4
+    finally:
+        trainstream.unwrap(mine)
+
+
+@needs_cuda
+def test_cuda_eval_and_generation(tsd):
+    torch.manual_seed(0)
+    ref = Stack().cuda()
+    mine = copy.deepcopy(ref)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), socket=tsd.socket, offload=True,
+                                 param_offload=[0, 3, 4])
+    try:
+        lm_steps(mine, opt, tokens(2, device="cuda"))
+        opt.synchronize()
+        for name, p in ref.named_parameters():  # the reference takes the trained weights
+            p.data.copy_(mine.state_dict()[name].to("cuda"))
+        mine.eval()
+        ref.eval()
+        x = tokens(1, device="cuda")[0][:, :-1]
+        with torch.no_grad():
+            assert torch.equal(mine(x), ref(x))
+        idx = x[:2, :4]
+        with torch.inference_mode():
+            for _ in range(6):
+                idx = torch.cat([idx, mine(idx)[:, -1].argmax(-1, keepdim=True)], 1)
+        with torch.no_grad():
+            want = x[:2, :4]
+            for _ in range(6):
+                want = torch.cat([want, ref(want)[:, -1].argmax(-1, keepdim=True)], 1)
+        assert torch.equal(idx, want)
+        assert storage_bytes(mine.blocks[3]) == 0
+    finally:
+        trainstream.unwrap(mine)
+
+
+@needs_cuda
+def test_cuda_a_model_on_the_cpu_is_accepted_and_never_moved_whole(tsd):
+    """A model passed on the CPU: resident blocks go to the GPU, paged ones straight into tsd's
+    memory; the GPU never holds the whole model."""
+    torch.manual_seed(0)
+    model = Stack(d=512, n=8)  # 8 blocks of 8 MiB
+    ref = copy.deepcopy(model)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 1, 2, 3, 4, 5])
+    try:
+        wrap_peak = torch.cuda.max_memory_allocated() - base
+        assert wrap_peak < whole / 2, f"wrap() put {wrap_peak / 2**20:.1f} MiB on the GPU (whole model " \
+                                      f"{whole / 2**20:.1f} MiB): paged blocks must go straight to tsd"
+        assert all(p.is_cuda for p in model.blocks[7].parameters()) and storage_bytes(model.blocks[7]) > 0
+        assert storage_bytes(model.blocks[0]) == 0 and model.emb.weight.is_cuda
+        ref = ref.cuda()
+        opt_ref = torch.optim.AdamW(ref.parameters(), foreach=False, **HP)
+        data = tokens(3, device="cuda")
+        assert lm_steps(model, opt, data) == pytest.approx(lm_steps(ref, opt_ref, data), abs=1e-4)
+    finally:
+        trainstream.unwrap(model)
+
+
+CAP_SCRIPT = textwrap.dedent(r"""
+    import json, sys, torch
+    sys.path[:0] = [@ROOT@, @HERE@]
+    import trainstream
+    from trainstream.blockplan import MARGIN
+    from trainstream.planner import VRAM_HEADROOM
+    from test_weight_paging import Stack, tokens, lm_steps, HP, CAP_DATA
+    n, block, socket = @NBLOCKS@, 8 << 20, @SOCKET@  # blocks of 8 MiB (fp32)
+    data = tokens(14, device="cuda", **CAP_DATA)
+    # The reference: uncapped, unpaged, every block resident. Its peak sets the cap.
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    ref = Stack(d=512, n=n)
+    ref, opt = trainstream.wrap(ref, torch.optim.AdamW(ref.parameters(), **HP), device="cuda", offload=True,
+                                param_offload=False, socket=socket)
+    ref_losses = lm_steps(ref, opt, data)
+    trainstream.unwrap(ref)
+    peak = torch.cuda.max_memory_allocated() - base
+    del ref, opt
+    torch.cuda.empty_cache()
+    # The plan's target (95% of 90% of the cap) lies 1.5 blocks under that peak.
+    cap = int((peak - 1.5 * block) / (VRAM_HEADROOM * (1 - MARGIN)))
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = Stack(d=512, n=n)  # on the CPU
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda", offload=True,
+                                  param_offload="auto", socket=socket)
+    s = trainstream.unwrap_session(model)
+    first = sorted(s.pager.paged)
+    plans = []
+    def between(k):
+        plans.append(sorted(s.pager.paged))
+    losses = lm_steps(model, opt, data, between)
+    opt.synchronize()
+    print("@@" + json.dumps(dict(first=first, final=sorted(s.pager.paged), settled=s.planner.done, losses=losses,
+                                 ref_losses=ref_losses, events=s.events, plans=plans, moments=opt.moment_dtype,
+                                 cap=cap, peak=peak, reserved=torch.cuda.max_memory_reserved())))
+    trainstream.unwrap(model)
+""")
+CAP_DATA = dict(batch=2, seq=16)  # few activations: the weights are what does not fit
+
+
+@needs_cuda
+def test_cuda_auto_plan_under_a_vram_cap_finds_the_split_and_trains_correctly(tsd):
+    """TrainStream's capped subprocess: param_offload="auto" under a VRAM cap starts with blocks
+    paged from the budget, refines the split from the measured peaks (moving some blocks into
+    VRAM), settles, and its losses equal an uncapped, unpaged tsd run exactly.
+
+    The subprocess first runs the uncapped, unpaged reference (16 blocks of 8 MiB, all resident)
+    and sets the cap from its measured peak, so that the plan's target lies 1.5 blocks below it:
+    the whole model cannot stay resident, and the budget-only first plan (which keeps a quarter of
+    the VRAM for activations it has not seen) pages more blocks than the measured peaks show are
+    needed."""
+    import trainstream as ts
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(ts.__file__)))  # the package these tests import
+    code = (CAP_SCRIPT.replace("@ROOT@", repr(pkg)).replace("@HERE@", repr(HERE))
+            .replace("@NBLOCKS@", "16").replace("@SOCKET@", repr(tsd.socket)))
+    assert not any(f"@{k}@" in code for k in ("ROOT", "HERE", "NBLOCKS", "SOCKET"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads([line for line in out.stdout.splitlines() if line.startswith("@@")][-1][2:])
+    print(json.dumps({k: v for k, v in res.items() if "losses" not in k}, indent=1))
+    why = (f"uncapped peak {res['peak'] / 2**20:.1f} MiB, cap {res['cap'] / 2**20:.1f} MiB; events: {res['events']}; "
+           f"plans after each step: {res['plans']}")
+    assert res["first"], f"the cap must start with some blocks paged; {why}"
+    assert res["settled"], why
+    assert res["final"] != res["first"], f"measured peaks must change the plan; {why}"
+    assert 0 < len(res["final"]) < len(res["first"]), f"headroom moves some blocks into VRAM, not all; {why}"
+    assert any("memory plan settled" in e for e in res["events"]), why
+    assert res["losses"] == res["ref_losses"], \
+        f"the capped, re-planned run must equal the uncapped unpaged run exactly: {res['losses']} vs {res['ref_losses']}"
+
+
+@needs_cuda
+def test_cuda_watchdog_pages_a_block_when_a_later_step_grows(tsd):
+    """A settled plan: a step like the others changes nothing; a step with a much larger batch
+    peaks over the target and the watchdog pages one more block."""
+    from trainstream.blockplan import MARGIN
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), socket=tsd.socket,
+                                  offload=True, param_offload=[0], activation_offload=False)
+    s = unwrap_session(model)
+    used = torch.cuda.memory_allocated()
+    usable = int((used + (64 << 20)) / (1 - MARGIN))  # the target is 64 MiB above what is allocated now
+    s.planner = MemoryPlanner(Budget(vram_total=usable, vram_usable=usable, ram_total=1 << 36, ram_available=1 << 35),
+                              s.pager.block_bytes, fixed_vram=0, inflight_bytes=1 << 20)
+    s.planner.done = True  # settled; now a step with a much larger batch arrives
+    try:
+        before = len(s.pager.paged)
+        torch.cuda.reset_peak_memory_stats()
+        lm_steps(model, opt, tokens(1, device="cuda"))  # batch 8 x 32: well under the target
+        assert len(s.pager.paged) == before, (s.events, torch.cuda.max_memory_allocated() - used)
+        lm_steps(model, opt, tokens(1, batch=64, seq=128, device="cuda"))
+        assert len(s.pager.paged) == before + 1, s.events
+        assert any("memory watchdog" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(model)
