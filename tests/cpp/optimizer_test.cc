@@ -518,6 +518,42 @@ TEST(Optimizer, BadHyperparametersAreRefusedBeforeThePage) {
   EXPECT_EQ(s.opt->steps(0), 1u);
 }
 
+// Found by fuzz_state_file (issue 13): a state file whose header has a "dtype" or "format" that is
+// not a string made the JSON library throw inside load_state, and the uncaught exception ended
+// the daemon. Each such file is refused with INVALID_ARGUMENT; the daemon and the job live on.
+TEST(Optimizer, StateFileWithNonStringFieldsIsRefusedNotFatal) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
+  auto s = Attach(*d, "state-poison", spec);
+  ASSERT_TRUE(s.opt);
+  const std::string good_meta = R"("__metadata__":{"format":"tsd.optimizer.v1"})";
+  const std::string headers[] = {
+      R"({"__metadata__":{"format":1}})",
+      R"({"__metadata__":{"format":["tsd.optimizer.v1"]}})",
+      "{" + good_meta + R"(,"b0.master":{"data_offsets":[0,12],"dtype":[1],"shape":[3]}})",
+      "{" + good_meta + R"(,"b0.master":{"data_offsets":[0,12],"dtype":7,"shape":[3]}})",
+  };
+  for (const std::string& header : headers) {
+    const int fd = memfd_create("poison", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    file += header + std::string(64, '\0');
+    ASSERT_EQ(write(fd, file.data(), file.size()), static_cast<ssize_t>(file.size()));
+    auto loaded = s.opt->LoadState(fd);
+    close(fd);
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << header;
+    ASSERT_TRUE(d->running()) << header;
+    ASSERT_EQ(kill(d->pid(), 0), 0) << "tsd died on " << header << "\n" << d->log();
+  }
+  std::memset(s.opt->grad(0), 0, 12);
+  ASSERT_TRUE(s.opt->Ready(0).ok());
+  ASSERT_TRUE(s.opt->Wait(0).ok());
+}
+
 TEST(Optimizer, ClientKilledWhileItsBucketIsUpdated) {
   auto d = DaemonProcess::Start({.args = {"--pool-size", "1GiB"}});
   ASSERT_TRUE(d);
