@@ -12,19 +12,19 @@
 #include <memory>
 #include <thread>
 
-#include <grpcpp/grpcpp.h>
-
 #include "absl/strings/str_cat.h"
-#include "daemon/ops/instance_lock.h"
+#include "daemon/jobs/registry.h"
 #include "daemon/memory/memlock.h"
+#include "daemon/ops/instance_lock.h"
 #include "daemon/ops/metrics.h"
 #include "daemon/ops/notify.h"
-#include "daemon/optimizer/worker_pool.h"
-#include "daemon/jobs/registry.h"
 #include "daemon/ops/reload.h"
-#include "daemon/rpc/service.h"
-#include "daemon/rpc/side_server.h"
+#include "daemon/ops/resource_budget.h"
 #include "daemon/ops/version.h"
+#include "daemon/optimizer/worker_pool.h"
+#include "daemon/rpc/control_plane.h"
+#include "daemon/rpc/side_server.h"
+#include "proto/socket_dir.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
 
@@ -44,10 +44,16 @@ absl::StatusOr<gid_t> LookupGroup(const std::string& name) {
 }
 
 // Creates the socket's directory when missing, mode 0770 with the socket group. A directory
-// that already exists is left as it is (it may be /tmp or a systemd RuntimeDirectory).
+// that already exists (a systemd RuntimeDirectory, or one made by hand) must be one only tsd's
+// uid controls (wire::CheckDaemonSocketDir): another user could otherwise replace the sockets.
 absl::Status PrepareSocketDir(const std::string& socket_path, gid_t gid) {
-  const std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
-  if (dir.empty() || std::filesystem::exists(dir)) return absl::OkStatus();
+  std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
+  if (dir.empty()) dir = ".";
+  const gid_t trusted_gid = gid != static_cast<gid_t>(-1) ? gid : getegid();
+  std::error_code exists_ec;
+  if (std::filesystem::exists(std::filesystem::symlink_status(dir, exists_ec))) {
+    return wire::CheckDaemonSocketDir(dir.string(), geteuid(), trusted_gid);
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
@@ -119,12 +125,25 @@ int RunDaemon(const Config& config) {
 
   // Made before the Registry, whose optimizers record into it; it serves only once everything
   // else is up (below), and stops before the Registry goes.
-  Metrics metrics;
+  Metrics metrics(config.metrics_per_job);
   RegistryOptions options;
   options.pool_bytes = config.pool_bytes;
   options.max_job_quota_bytes = config.max_job_quota_bytes;
   options.lock_memory = memlock.can_lock;
   options.orphan_grace = config.orphan_grace_duration;
+  // Descriptors and mappings: raise the soft descriptor limit, then budget regions below half of
+  // each limit so the control plane keeps a reserve.
+  const ResourceBudget budget =
+      MeasureResourceBudget(static_cast<uint64_t>(config.max_regions_per_uid),
+                            static_cast<uint64_t>(config.max_regions_per_job));
+  spdlog::info("event=region_budget {}", budget.Describe());
+  if (!budget.raise_error.empty()) {
+    spdlog::warn("event=nofile_not_raised error=\"{}\" nofile_limit={}", budget.raise_error,
+                 budget.nofile_limit);
+  }
+  options.max_regions = budget.max_regions;
+  options.max_regions_per_uid = budget.max_regions_per_uid;
+  options.max_regions_per_job = budget.max_regions_per_job;
   int threads = config.optimizer_threads;
   if (threads == 0) {
     cpu_set_t allowed;
@@ -153,20 +172,8 @@ int RunDaemon(const Config& config) {
   SideServer side(registry);
   if (absl::Status s = side.Listen(side_path, *gid); !s.ok()) return Fail(s);
 
-  TsdService service(registry, memlock.can_lock);
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    return Fail(absl::UnavailableError(absl::StrCat("cannot listen on ", socket_path,
-                                                    " (is the path writable and short enough?)")));
-  }
-  if (chmod(socket_path.c_str(), 0660) != 0 ||
-      (*gid != static_cast<gid_t>(-1) && chown(socket_path.c_str(), -1, *gid) != 0)) {
-    return Fail(absl::PermissionDeniedError(
-        absl::StrCat("cannot set mode/group of ", socket_path, ": ", std::strerror(errno))));
-  }
+  ControlPlane control(registry, memlock.can_lock, socket_path, *gid);
+  if (absl::Status s = control.Start(); !s.ok()) return Fail(s);
   side.Start();
   std::string metrics_at = "off";
   if (!config.metrics_listen.empty()) {
@@ -203,13 +210,11 @@ int RunDaemon(const Config& config) {
   // The metrics server takes up to 2 s to stop: let it do so beside the rest.
   std::thread stop_metrics([&metrics] { metrics.StopServing(); });
   // Stop taking calls (in-flight ones get at most 500 ms), tell clients, release everything.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  control.Shutdown();
   side.Shutdown(absl::StrCat("tsd (pid ", getpid(),
                              ") is shutting down: every region was released; "
                              "restart tsd and attach again"));
   registry.ReleaseAll();
-  server->Wait();
-  unlink(socket_path.c_str());
   stop_metrics.join();
   spdlog::info("event=stopped");
   return 0;

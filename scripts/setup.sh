@@ -11,6 +11,7 @@ DEBS=(build-essential cmake ninja-build pkg-config git
       libgtest-dev libgmock-dev libbenchmark-dev libxxhash-dev libnuma-dev prometheus-cpp-dev
       libsystemd-dev python3-venv
       clang  # Debian's clang-14: scripts/check-thread-safety.sh (the thread-safety analysis)
+      libclang-rt-14-dev  # compiler-rt's libFuzzer, ASan and UBSan for clang: scripts/fuzz.sh
       systemd file dpkg-dev adduser)  # the package test: systemd-analyze, cpack's dpkg-shlibdeps
 
 missing=()

@@ -214,9 +214,9 @@ if [ "$fresh" = 1 ]; then
     fail "$(tail -5 "$tmp/fresh.log")"
   [ "$(chroot "$root" tsd --version)" = "tsd $version" ] || fail "tsd --version in the fresh system"
   chroot "$root" tsctl --help >/dev/null || fail "tsctl --help in the fresh system"
-  chroot "$root" sh -c 'tsd --socket /tmp/t.sock --pool-size 8MiB --metrics-listen "" & pid=$!
-    for _ in $(seq 50); do tsctl --socket /tmp/t.sock status >/dev/null 2>&1 && break; sleep 0.1; done
-    tsctl --socket /tmp/t.sock status; rc=$?; kill -TERM $pid; wait $pid && exit $rc' \
+  chroot "$root" sh -c 'tsd --socket /tmp/tsdt/t.sock --pool-size 8MiB --metrics-listen "" & pid=$!
+    for _ in $(seq 50); do tsctl --socket /tmp/tsdt/t.sock status >/dev/null 2>&1 && break; sleep 0.1; done
+    tsctl --socket /tmp/tsdt/t.sock status; rc=$?; kill -TERM $pid; wait $pid && exit $rc' \
     >"$tmp/fresh-run.log" 2>&1 ||
     fail "tsd and tsctl in the fresh system: $(cat "$tmp/fresh-run.log")"
   chroot "$root" sh -c "DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq tsd" >/dev/null 2>&1

@@ -2,6 +2,7 @@
 
 #include "tsd/optimizer.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include "cuda_host.h"
 #include "proto/mutex.h"
 #include "proto/side_message.h"
+#include "proto/socket_dir.h"
 #include "proto/status_convert.h"
 #include "proto/status_macros.h"
 #include "proto/tsd.grpc.pb.h"
@@ -39,6 +41,15 @@ std::string HowToStart(const std::string& path) {
       "start it with `tsd --socket ", path,
       "` (or `systemctl start tsd` for the system service), or point TSD_SOCKET at the "
       "socket of a running tsd");
+}
+
+// A tsd may well be running there: this user may not reach it, and must not be told to start one.
+absl::Status NoPermission(const std::string& path) {
+  return absl::PermissionDeniedError(absl::StrCat(
+      "uid ", geteuid(), " may not use tsd's socket ", path,
+      " (permission denied): a tsd may be running there, but only its own uid and members of its "
+      "socket group may connect; ask its administrator to add you to that group (socket_group in "
+      "tsd.toml), or point TSD_SOCKET at a tsd of your own"));
 }
 
 }  // namespace
@@ -285,12 +296,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& socke
   const std::string path = wire::ResolveSocketPath(socket_path);
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
+    if (errno == EACCES) return NoPermission(path);
     return absl::UnavailableError(absl::StrCat("no tsd is running at ", path, " (",
                                                std::strerror(errno), "); ", HowToStart(path)));
   }
   if (!S_ISSOCK(st.st_mode)) {
     return absl::UnavailableError(
         absl::StrCat(path, " exists but is not a socket; ", HowToStart(path)));
+  }
+  TSD_RETURN_IF_ERROR(wire::CheckClientSocketDir(path, geteuid()));
+  if (faccessat(AT_FDCWD, path.c_str(), R_OK | W_OK, AT_EACCESS) != 0 && errno == EACCES) {
+    return NoPermission(path);
   }
   std::unique_ptr<Client> c(new Client(path));
   grpc::ChannelArguments args;

@@ -1,7 +1,10 @@
 #include "tsd/optimizer.h"
 
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +33,11 @@ size_t DTypeBytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 struct Optimizer::CommitState {
   Mutex mu;
   uint64_t commits ABSL_GUARDED_BY(mu) = 0;
+  // Why the optimizer is closed for good (OK while it works): the first failure seen, kept so
+  // every later call reports the same one.
+  Mutex mu_closed;
+  absl::Status closed ABSL_GUARDED_BY(mu_closed);
+  std::atomic<bool> is_closed{false};  // closed is set (read without the lock on the hot path)
 };
 
 Optimizer::Optimizer() : commit_(std::make_unique<CommitState>()) {}
@@ -45,8 +53,34 @@ const void* Optimizer::param(size_t b) const {
   return static_cast<const char*>(params_->data()) + buckets_[b].param_offset;
 }
 
-void Optimizer::SetGroup(size_t g, const GroupHyper& h) {
+absl::Status CheckGroupHyper(size_t g, const GroupHyper& h) {
+  const auto bad = [g](const char* what, double v, const char* rule) {
+    return absl::InvalidArgumentError(absl::StrCat("parameter group ", g, ": ", what, " = ", v,
+                                                   " is invalid (", rule,
+                                                   "); nothing was changed, fix the value (or "
+                                                   "the scheduler that produced it)"));
+  };
+  if (!std::isfinite(h.lr) || h.lr < 0) return bad("lr", h.lr, "must be finite and >= 0");
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) return bad("beta1", h.beta1, "must be in [0, 1)");
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) return bad("beta2", h.beta2, "must be in [0, 1)");
+  if (!std::isfinite(h.eps) || !(h.eps > 0)) return bad("eps", h.eps, "must be finite and > 0");
+  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0) {
+    return bad("weight_decay", h.weight_decay, "must be finite and >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Optimizer::SetGroup(size_t g, const GroupHyper& h) {
+  if (g >= groups_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter group ", g, " does not exist (", groups_, " groups)"));
+  }
+  // Checked here, before the page: a bad value on the page is a protocol violation for which
+  // the daemon closes the whole optimizer.
+  TSD_RETURN_IF_ERROR(CheckGroupHyper(g, h));
+  TSD_RETURN_IF_ERROR(Failure());
   View(control_, groups_).groups[g] = {h.lr, h.beta1, h.beta2, h.eps, h.weight_decay};
+  return absl::OkStatus();
 }
 
 double Optimizer::last_grad_norm() const { return View(control_, groups_).header->last_grad_norm; }
@@ -56,11 +90,36 @@ uint32_t Optimizer::steps(size_t b) const {
 }
 
 absl::Status Optimizer::Failure() const {
+  if (commit_->is_closed.load(std::memory_order_acquire)) {
+    MutexLock lock(commit_->mu_closed);
+    return commit_->closed;
+  }
+  absl::Status why;
   const auto v = View(control_, groups_);
-  if (v.header->failed.load(std::memory_order_acquire) == 0) return absl::OkStatus();
-  char msg[sizeof(v.header->error) + 1] = {};
-  std::memcpy(msg, v.header->error, sizeof(v.header->error));
-  return absl::AbortedError(absl::StrCat("tsd closed this job's optimizer: ", msg));
+  if (v.header->failed.load(std::memory_order_acquire) != 0) {
+    char msg[sizeof(v.header->error) + 1] = {};
+    std::memcpy(msg, v.header->error, sizeof(v.header->error));
+    why = absl::AbortedError(absl::StrCat("tsd closed this job's optimizer: ", msg));
+  } else {
+    // Releasing the job zeroes the page, so a session tsd closed shows no failure there: the
+    // notice on the side socket (SESSION_CLOSED) says why, and a dead daemon is noticed too.
+    // One non-blocking read of the connection: a notice closes it, so an open one means no news.
+    std::string dead;
+    if (client_->DaemonAlive(&dead)) return absl::OkStatus();
+    const std::optional<Notice> n = client_->LastNotice();
+    why = n && n->kind == Notice::Kind::kSessionClosed ? absl::AbortedError(n->message)
+                                                       : absl::UnavailableError(dead);
+  }
+  // Every later call fails with the same error.
+  MutexLock lock(commit_->mu_closed);
+  if (commit_->closed.ok()) {
+    commit_->closed = absl::Status(
+        why.code(), absl::StrCat(why.message(),
+                                 "; this optimizer can take no more steps: wrap or register the "
+                                 "model again (with a new session)"));
+    commit_->is_closed.store(true, std::memory_order_release);
+  }
+  return commit_->closed;
 }
 
 absl::Status Optimizer::Ready(size_t b, bool first, bool final) {
@@ -86,6 +145,8 @@ absl::Status Optimizer::Ready(size_t b, bool first, bool final) {
 
 template <typename Done>
 absl::Status Optimizer::WaitUntil(Done done, absl::Duration timeout, const char* what) {
+  // Closed: the page may be zeroed, where every bucket looks done.
+  if (commit_->is_closed.load(std::memory_order_acquire)) return Failure();
   auto v = View(control_, groups_);
   const auto spin_until = std::chrono::steady_clock::now() + kSpin;
   while (std::chrono::steady_clock::now() < spin_until) {

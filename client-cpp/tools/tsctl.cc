@@ -335,6 +335,13 @@ int main(int argc, char** argv) {
 
   auto client = tsd::Client::Connect(socket);
   if (!client.ok()) {
+    if ((*status && status_json) || (*jobs && jobs_json)) {
+      // A script asked for JSON: it gets JSON on stdout, with the reason, and the exit code.
+      const nlohmann::json error = {{"error", std::string(client.status().message())},
+                                    {"code", absl::StatusCodeToString(client.status().code())},
+                                    {"running", false}};
+      std::cout << error.dump() << "\n";
+    }
     std::cerr << "tsctl: " << client.status().message() << "\n";
     return 1;
   }

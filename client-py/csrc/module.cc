@@ -548,7 +548,7 @@ PYBIND11_MODULE(_C, m) {
              double wd) {
             if (g >= h.opt->num_groups())
               Throw(absl::InvalidArgumentError("group " + std::to_string(g) + " does not exist"));
-            h.opt->SetGroup(g, {lr, beta1, beta2, eps, wd});
+            Check(h.opt->SetGroup(g, {lr, beta1, beta2, eps, wd}));
           },
           py::arg("group"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
           py::arg("weight_decay"))

@@ -22,6 +22,7 @@ that they did not change in between. With clipping, they are written at `step()`
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional, Union
 
@@ -104,8 +105,30 @@ class Session:
             out.append(tuple(float(x) for x in (g["lr"], b1, b2, g["eps"], g["weight_decay"])))
         return out
 
+    @staticmethod
+    def check_hyper(hyper: list[tuple[float, ...]]) -> None:
+        """Refuses, naming the group and the value, hyperparameters AdamW cannot use: they are checked here,
+        before they reach the control page, where a bad one is a protocol violation that closes the optimizer."""
+        for gi, (lr, b1, b2, eps, wd) in enumerate(hyper):
+            bad = None
+            if not (math.isfinite(lr) and lr >= 0):
+                bad = f"lr = {lr} (must be finite and >= 0)"
+            elif not 0 <= b1 < 1:
+                bad = f"betas[0] = {b1} (must be in [0, 1))"
+            elif not 0 <= b2 < 1:
+                bad = f"betas[1] = {b2} (must be in [0, 1))"
+            elif not (math.isfinite(eps) and eps > 0):
+                bad = f"eps = {eps} (must be finite and > 0)"
+            elif not (math.isfinite(wd) and wd >= 0):
+                bad = f"weight_decay = {wd} (must be finite and >= 0)"
+            if bad is not None:
+                raise ValueError(f"param_groups[{gi}]: {bad}; nothing was sent to tsd: fix the value (or the "
+                                 f"scheduler that produced it)")
+
     def write_hyper(self, optimizer: torch.optim.Optimizer) -> None:
-        self.hyper = self.group_hyper(optimizer)
+        hyper = self.group_hyper(optimizer)
+        self.check_hyper(hyper)
+        self.hyper = hyper
         for gi, h in enumerate(self.hyper):
             self.handle.set_group(gi, *h)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 import os
 import socket
 import warnings
@@ -91,8 +92,11 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
     if out["param_dtype"] is not None:
         out["param_dtype"] = getattr(torch, tsd_dtype(out["param_dtype"], "param_dtype"))
-    if int(out["accumulation_steps"]) < 1:
-        raise ValueError("accumulation_steps must be at least 1")
+    steps = out["accumulation_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"accumulation_steps must be a whole number >= 1 (backward passes per step()), "
+                         f"not {steps!r}")
+    out["accumulation_steps"] = int(steps)
     mgn = out["max_grad_norm"]
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
         raise ValueError("max_grad_norm must be a finite number >= 0")

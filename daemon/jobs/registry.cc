@@ -104,6 +104,38 @@ absl::StatusOr<Registry::Session*> Registry::FindSession(uint64_t session_id) {
   return &it->second;
 }
 
+absl::Status Registry::CheckRegionBudgetLocked(const Job& job) const {
+  size_t of_uid = 0, total = 0;
+  for (const auto& [name, j] : jobs_) {
+    total += j.names.size();
+    if (j.uid == job.uid) of_uid += j.names.size();
+  }
+  const char* budget = nullptr;
+  size_t held = 0, limit = 0;
+  if (job.names.size() >= options_.max_regions_per_job) {
+    budget = "max_regions_per_job";
+    held = job.names.size();
+    limit = options_.max_regions_per_job;
+  } else if (of_uid >= options_.max_regions_per_uid) {
+    budget = "max_regions_per_uid";
+    held = of_uid;
+    limit = options_.max_regions_per_uid;
+  } else if (total >= options_.max_regions) {
+    budget = "the node's region budget";
+    held = total;
+    limit = options_.max_regions;
+  } else {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "job '", job.name, "' (uid ", job.uid, ") may not hold another region: ", budget, " is ",
+      limit, " and ", held,
+      " are held. Each region costs tsd a descriptor and a memory mapping, so their number is "
+      "budgeted apart from bytes; free regions you no longer need, or allocate fewer, larger "
+      "regions and place several buffers in each (an administrator can change max_regions_per_job "
+      "and max_regions_per_uid in tsd.toml, up to the node budget tsd derives from its limits)"));
+}
+
 absl::StatusOr<v1::RegionInfo> Registry::Alloc(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes) {
   if (absl::Status s = wire::ValidateName("region", name); !s.ok()) return s;
@@ -141,10 +173,7 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
                                                    "' already has a region named '", name,
                                                    "'; free it or pick another name"));
     }
-    if (job.names.size() >= options_.max_regions_per_job) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job '", job.name, "' holds ", job.names.size(), " regions, the limit; free some first"));
-    }
+    TSD_RETURN_IF_ERROR(CheckRegionBudgetLocked(job));
     // The quota and the pool: the ledger refuses, naming the biggest holders.
     TSD_ASSIGN_OR_RETURN(reserved, ledger_->Reserve(Holder::Job(job.name), name, bytes));
     job.names.insert(name);

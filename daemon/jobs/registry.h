@@ -46,7 +46,10 @@ struct RegistryOptions {
   uint64_t max_job_quota_bytes = 0;
   bool lock_memory = false;
   absl::Duration orphan_grace = absl::ZeroDuration();
+  // Region budgets (daemon/ops/resource_budget.h): each region costs a descriptor and a mapping.
   size_t max_regions_per_job = 65536;
+  size_t max_regions_per_uid = 65536;
+  size_t max_regions = 65536;  // every job together
   size_t max_jobs = 4096;
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
@@ -213,6 +216,8 @@ class Registry final {
   // Alloc for the optimizer's own regions ("opt/..." names, which clients may not use).
   absl::StatusOr<v1::RegionInfo> AllocInternal(uint64_t session_id, const std::string& name,
                                                uint64_t size_bytes);
+  // Refuses a new region of `job` beyond the per-job, per-uid or node region budget.
+  absl::Status CheckRegionBudgetLocked(const Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
   v1::JobInfo DescribeJob(const std::string& name, const Job& job) const;
 

@@ -30,6 +30,11 @@ struct Config {
   // Nice value of the optimizer workers (-20..19). Above 0 they yield the CPU to a trainer's
   // latency-sensitive threads (the one launching CUDA kernels) on the same machine.
   int optimizer_nice = 0;
+  // Region budgets (daemon/ops/resource_budget.h); 0 = derived from RLIMIT_NOFILE and
+  // vm.max_map_count at start.
+  int max_regions_per_job = 0;
+  bool metrics_per_job = false;  // per-job series at /metrics (else aggregates only)
+  int max_regions_per_uid = 0;
   std::string config_path;  // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.

@@ -86,7 +86,8 @@ class Metrics::JobObserver final : public OptimizerObserver {
   const std::shared_ptr<JobSeries> series_;
 };
 
-Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(bool per_job)
+    : per_job_(per_job), optimizer_(std::make_shared<prometheus::Registry>()) {
   steps_ = &prometheus::BuildCounter()
                 .Name("tsd_optimizer_steps_total")
                 .Help("Optimizer steps completed, per job")
@@ -102,7 +103,9 @@ Metrics::Metrics() : optimizer_(std::make_shared<prometheus::Registry>()) {
   collector_ = std::make_shared<Collector>(*this);
 }
 
-Metrics::Metrics(const Registry& registry) : Metrics() { WatchRegistry(registry); }
+Metrics::Metrics(const Registry& registry, bool per_job) : Metrics(per_job) {
+  WatchRegistry(registry);
+}
 
 Metrics::~Metrics() { StopServing(); }
 
@@ -136,10 +139,12 @@ int Metrics::port() const {
 
 std::shared_ptr<OptimizerObserver> Metrics::ObserverFor(const std::string& job) {
   MutexLock lock(mu_);
-  std::shared_ptr<JobSeries>& series = jobs_[job];
+  // Without per-job series every job records into one unlabelled series (key "", never pruned).
+  std::shared_ptr<JobSeries>& series = jobs_[per_job_ ? job : std::string()];
   if (series == nullptr) {
     auto s = std::make_shared<JobSeries>();
-    const prometheus::Labels labels = {{kJobLabel, job}};
+    const prometheus::Labels labels =
+        per_job_ ? prometheus::Labels{{kJobLabel, job}} : prometheus::Labels{};
     s->steps = &steps_->Add(labels);
     s->params = &params_->Add(labels);
     s->bucket_seconds = &bucket_seconds_->Add(labels, BucketUpdateBounds());
@@ -187,9 +192,13 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   prometheus::MetricFamily quota = Gauge("tsd_job_quota_bytes", "A job's quota in bytes");
   prometheus::MetricFamily sessions = Gauge("tsd_job_sessions", "A job's live sessions");
   prometheus::MetricFamily regions = Gauge("tsd_job_regions", "A job's regions");
-  std::set<std::string> live;
+  std::set<std::string> live = {""};  // the aggregate series stays
+  double all_regions = 0;
+  for (const v1::JobInfo& j : view.jobs) all_regions += j.regions();
+  out.push_back(Single("tsd_regions", "Regions held by all jobs", all_regions));
   for (const v1::JobInfo& j : view.jobs) {
     live.insert(j.name());
+    if (!per_job_) continue;
     const std::vector<prometheus::ClientMetric::Label> label = {{kJobLabel, j.name()}};
     AddSample(info, 1, {{kJobLabel, j.name()}, {"uid", std::to_string(j.uid())}});
     AddSample(used, static_cast<double>(j.used_bytes()), label);
@@ -197,7 +206,9 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
     AddSample(sessions, j.sessions(), label);
     AddSample(regions, j.regions(), label);
   }
-  for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
+  if (per_job_) {
+    for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
+  }
 
   {
     MutexLock lock(mu_);

@@ -7,6 +7,11 @@
 // engine sees, so the engine reports them to the job's observer (ObserverFor, resolved once when
 // the job's optimizer is created).
 //
+// By default only aggregate figures are exported: every local user may scrape the endpoint, and
+// job names, owners and usage are not theirs to see. With `metrics_per_job` on, the per-job
+// series below are exported too, and the optimizer's series carry the job's name; off, the
+// optimizer's series are one aggregate over all jobs, without labels.
+//
 // Exported (per job, the label is `job_name`: `job` is the label Prometheus itself gives every
 // scraped target, and a target's own `job` label would be renamed `exported_job`):
 //   tsd_build_info{version}                 1
@@ -15,7 +20,8 @@
 //   tsd_pool_used_bytes                     bytes held by all jobs (allocations in flight included)
 //   tsd_pool_locked_bytes                   bytes of regions that are mlock()ed
 //   tsd_max_job_quota_bytes                 the largest quota a new job may get
-//   tsd_jobs, tsd_sessions                  jobs, live sessions
+//   tsd_jobs, tsd_sessions, tsd_regions     jobs, live sessions, regions held
+//   (with metrics_per_job:)
 //   tsd_job_info{job_name,uid}              1 per job (its owner)
 //   tsd_job_used_bytes{job_name}            bytes the job holds
 //   tsd_job_quota_bytes{job_name}           the job's quota
@@ -63,9 +69,10 @@ class Metrics final : public OptimizerObservers {
  public:
   // Nothing listens until Listen, and pool and job figures come once a registry is watched. The
   // two steps let the daemon make Metrics before the Registry (whose optimizers record into it).
-  Metrics();
+  // `per_job`: export per-job series (job names, owners, usage), else aggregates only.
+  explicit Metrics(bool per_job = false);
   // The same, watching `registry` at once.
-  explicit Metrics(const Registry& registry);
+  explicit Metrics(const Registry& registry, bool per_job = false);
   ~Metrics() override;
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;
@@ -108,6 +115,7 @@ class Metrics final : public OptimizerObservers {
   std::vector<prometheus::MetricFamily> Collect() const;
 
   const absl::Time started_ = absl::Now();
+  const bool per_job_;
   std::shared_ptr<prometheus::Registry> optimizer_;  // owns the families below
   prometheus::Family<prometheus::Counter>* steps_ = nullptr;
   prometheus::Family<prometheus::Counter>* params_ = nullptr;

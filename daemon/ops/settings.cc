@@ -93,6 +93,34 @@ const std::vector<Setting>& Settings() {
        .reload = R::kRestart,
        .min = -20,
        .max = 19},
+      {.key = "max_regions_per_job",
+       .flag = "--max-regions-per-job",
+       .help = "most regions one job may hold (each costs tsd a descriptor and a mapping); 0: "
+               "derived from the limits at start",
+       .type = T::kInt,
+       .field = &Config::max_regions_per_job,
+       .default_value = "0",
+       .reload = R::kRestart,
+       .min = 0,
+       .max = 1 << 20},
+      {.key = "max_regions_per_uid",
+       .flag = "--max-regions-per-uid",
+       .help = "most regions the jobs of one uid may hold together; 0: derived from the limits "
+               "at start",
+       .type = T::kInt,
+       .field = &Config::max_regions_per_uid,
+       .default_value = "0",
+       .reload = R::kRestart,
+       .min = 0,
+       .max = 1 << 20},
+      {.key = "metrics_per_job",
+       .flag = "--metrics-per-job",
+       .help = "export per-job series (job names, owner uids, usage) at /metrics; off, only "
+               "aggregates, since any local user may scrape the endpoint",
+       .type = T::kBool,
+       .field = &Config::metrics_per_job,
+       .default_value = "false",
+       .reload = R::kRestart},
   };
   return *settings;
 }

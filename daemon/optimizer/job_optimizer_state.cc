@@ -159,8 +159,9 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   if (header.is_discarded() || !header.is_object())
     return absl::InvalidArgumentError("the state file's header is not JSON");
   const auto meta = header.find("__metadata__");
-  if (meta == header.end() || !meta->is_object() ||
-      meta->value("format", "") != wire::kStateFormat) {
+  if (meta == header.end() || !meta->is_object() || !meta->contains("format") ||
+      !(*meta)["format"].is_string() ||
+      (*meta)["format"].get<std::string>() != wire::kStateFormat) {
     return absl::InvalidArgumentError(
         absl::StrCat("the file is not a tsd optimizer state (", wire::kStateFormat, ")"));
   }
@@ -195,7 +196,9 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
                          "': it was saved for another optimizer layout"));
       }
       const auto& t = *it;
-      if (t.value("dtype", "") != e.dtype || !t.contains("shape") ||
+      // Every field's type is checked before it is read: json's value()/get() throw otherwise.
+      if (!t.contains("dtype") || !t["dtype"].is_string() ||
+          t["dtype"].get<std::string>() != e.dtype || !t.contains("shape") ||
           t["shape"] != nlohmann::json::array({e.numel}) || !t.contains("data_offsets") ||
           !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
           !t["data_offsets"][0].is_number_unsigned() ||

@@ -2,13 +2,73 @@
 
 #include <unistd.h>
 
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/ops/version.h"
 #include "daemon/optimizer/job_optimizer.h"
+#include "proto/side_message.h"
 #include "proto/status_convert.h"
 #include "proto/wire.h"
 
 namespace tsd {
+
+template <typename Req, typename Resp>
+grpc::ServerUnaryReactor* TsdService::Raw(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* req, grpc::ByteBuffer* resp,
+                                          const char* method,
+                                          grpc::Status (TsdService::*typed)(grpc::ServerContext*,
+                                                                            const Req*, Resp*)) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  std::string bytes;
+  std::vector<grpc::Slice> slices;
+  if (req != nullptr && req->Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) {
+      bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  Req request;
+  if (!request.ParseFromString(bytes)) {
+    const std::string type = Req::descriptor()->full_name();
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("the ", method, " request (", bytes.size(), " bytes) is not a valid ", type,
+                     ": ", wire::ExplainParseFailure(bytes, type),
+                     "; is the client built from another tsd.proto?")));
+    return reactor;
+  }
+  Resp response;
+  const grpc::Status s = (this->*typed)(nullptr, &request, &response);
+  if (s.ok()) {
+    grpc::Slice slice(response.SerializeAsString());
+    *resp = grpc::ByteBuffer(&slice, 1);
+  }
+  reactor->Finish(s);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* TsdService::Status(grpc::CallbackServerContext* ctx,
+                                             const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
+  return Raw<v1::StatusRequest, v1::StatusResponse>(ctx, req, resp, "Status", &TsdService::Status);
+}
+grpc::ServerUnaryReactor* TsdService::ListJobs(grpc::CallbackServerContext* ctx,
+                                               const grpc::ByteBuffer* req,
+                                               grpc::ByteBuffer* resp) {
+  return Raw<v1::ListJobsRequest, v1::ListJobsResponse>(ctx, req, resp, "ListJobs",
+                                                        &TsdService::ListJobs);
+}
+grpc::ServerUnaryReactor* TsdService::PlanOptimizer(grpc::CallbackServerContext* ctx,
+                                                    const grpc::ByteBuffer* req,
+                                                    grpc::ByteBuffer* resp) {
+  return Raw<v1::RegisterOptimizerRequest, v1::PlanOptimizerResponse>(
+      ctx, req, resp, "PlanOptimizer", &TsdService::PlanOptimizer);
+}
+grpc::ServerUnaryReactor* TsdService::Attach(grpc::CallbackServerContext* ctx,
+                                             const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
+  return Raw<v1::RetiredRequest, v1::RetiredResponse>(ctx, req, resp, "Attach",
+                                                      &TsdService::Attach);
+}
 
 grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                 v1::StatusResponse* resp) {

@@ -2,6 +2,10 @@
 // pool's status, the list of jobs). gRPC over a Unix socket cannot tell who calls, so every call
 // of a session travels on the side socket instead (daemon/rpc/side_server.h). It is glue only:
 // it calls the Registry and maps absl::Status to gRPC status codes.
+//
+// Every method is registered raw (bytes in, bytes out) and parses its request itself: gRPC's own
+// parsing answers a malformed request with INTERNAL and an empty message, where a client should
+// hear INVALID_ARGUMENT and what failed to parse, where.
 #pragma once
 
 #include <string>
@@ -12,7 +16,11 @@
 
 namespace tsd {
 
-class TsdService final : public v1::Tsd::Service {
+using TsdServiceBase = v1::Tsd::WithRawCallbackMethod_Status<
+    v1::Tsd::WithRawCallbackMethod_ListJobs<v1::Tsd::WithRawCallbackMethod_PlanOptimizer<
+        v1::Tsd::WithRawCallbackMethod_Attach<v1::Tsd::Service>>>>;
+
+class TsdService final : public TsdServiceBase {
  public:
   TsdService(Registry& registry, bool locked) : registry_(registry), locked_(locked) {}
 
@@ -24,8 +32,24 @@ class TsdService final : public v1::Tsd::Service {
   // Retired with protocol 1: tells such a client to upgrade.
   grpc::Status Attach(grpc::ServerContext*, const v1::RetiredRequest*,
                       v1::RetiredResponse*) override;
+  // The raw entry points: parse, call the typed method above, serialise.
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                     grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* PlanOptimizer(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* req,
+                                          grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                   grpc::ByteBuffer* resp) override;
 
  private:
+  template <typename Req, typename Resp>
+  grpc::ServerUnaryReactor* Raw(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                grpc::ByteBuffer* resp, const char* method,
+                                grpc::Status (TsdService::*typed)(grpc::ServerContext*, const Req*,
+                                                                  Resp*));
+
   Registry& registry_;
   const bool locked_;
   const absl::Time started_ = absl::Now();

@@ -1,5 +1,6 @@
 #include "daemon/rpc/side_server.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -38,6 +39,7 @@ SideServer::~SideServer() {
   if (listen_fd_ >= 0) close(listen_fd_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
   if (wake_fd_ >= 0) close(wake_fd_);
+  if (reserve_fd_ >= 0) close(reserve_fd_);
 }
 
 absl::Status SideServer::Listen(const std::string& path, gid_t gid) {
@@ -64,6 +66,7 @@ absl::Status SideServer::Listen(const std::string& path, gid_t gid) {
   if (listen(listen_fd_, 512) != 0)
     return absl::InternalError(absl::StrCat("listen: ", std::strerror(errno)));
   path_ = path;
+  reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (epoll_fd_ < 0 || wake_fd_ < 0)
@@ -153,6 +156,18 @@ void SideServer::AcceptAll() {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       if (errno == EINTR) continue;
+      if ((errno == EMFILE || errno == ENFILE) && reserve_fd_ >= 0) {
+        // Out of descriptors: use the reserve to take the connection off the queue and close it
+        // (the client sees the connection closed instead of waiting), then take the reserve back.
+        spdlog::warn("event=accept_out_of_descriptors error=\"{}\" connection refused",
+                     std::strerror(errno));
+        close(reserve_fd_);
+        const int refused = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (refused >= 0) close(refused);
+        reserve_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (refused >= 0) continue;
+        return;
+      }
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
         spdlog::warn("event=accept_failed error=\"{}\"", std::strerror(errno));
       }

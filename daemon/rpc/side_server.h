@@ -90,6 +90,10 @@ class SideServer final {
   int listen_fd_ = -1;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
+  // A descriptor held in reserve (/dev/null): when accept fails for want of descriptors
+  // (EMFILE/ENFILE) it is closed to accept and close the waiting connection, so the client hears
+  // at once and the listener does not spin, then taken again.
+  int reserve_fd_ = -1;
   std::string path_;
   std::string shutdown_notice_;  // written before stopping_ is set, read by the loop after
   std::atomic<bool> stopping_{false};

@@ -1,4 +1,6 @@
 // Runtime ISA selection and the public entry points of the CPU AdamW kernels.
+#include <cpuid.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -11,10 +13,16 @@
 namespace tsd::kernels {
 namespace {
 
+// F16C: CPUID leaf 1, ECX bit 29 (clang before 15 does not know "f16c" in
+// __builtin_cpu_supports; the fuzzing build, scripts/fuzz.sh, uses clang-14).
+bool CpuHasF16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & (1u << 29)) != 0;
+}
+
 bool CpuHasAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
 }
 
 bool CpuHasAvx512() {

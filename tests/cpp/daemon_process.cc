@@ -71,6 +71,10 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(DaemonOptions options) {
       rlimit rl{options.memlock_limit, options.memlock_limit};
       setrlimit(RLIMIT_MEMLOCK, &rl);
     }
+    if (options.nofile_limit != 0) {
+      rlimit rl{options.nofile_limit, options.nofile_limit};
+      setrlimit(RLIMIT_NOFILE, &rl);
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -22,6 +22,8 @@ struct DaemonOptions {
   std::vector<std::string> args = {"--pool-size", "256MiB"};
   // Starts the daemon without CAP_IPC_LOCK and with this RLIMIT_MEMLOCK (0: leave both alone).
   uint64_t memlock_limit = 0;
+  // Starts the daemon with this RLIMIT_NOFILE, soft and hard (0: inherit).
+  uint64_t nofile_limit = 0;
 };
 
 class DaemonProcess {

@@ -35,7 +35,7 @@ TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
   uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
   ASSERT_TRUE(registry->Alloc(ref, "r", 1 << 20).ok());
-  Metrics metrics(*registry);
+  Metrics metrics(*registry, /*per_job=*/true);
   const std::string text = metrics.Render();
   EXPECT_THAT(text, HasSubstr("tsd_pool_bytes 67108864\n"));
   EXPECT_THAT(text, HasSubstr("tsd_pool_used_bytes 1048576\n"));
@@ -53,7 +53,7 @@ TEST(Metrics, PoolAndJobFiguresComeFromTheRegistry) {
 TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
   uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
-  Metrics metrics(*registry);
+  Metrics metrics(*registry, /*per_job=*/true);
   auto observer = metrics.ObserverFor("job-a");
   observer->OnBucketUpdate(0.0003, 1000);
   observer->OnBucketUpdate(0.002, 500);
@@ -78,7 +78,7 @@ TEST(Metrics, OptimizerRecordsAreCountersAndAHistogram) {
 TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
   uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
-  Metrics metrics(*registry);
+  Metrics metrics(*registry, /*per_job=*/true);
   metrics.ObserverFor("job-a")->OnStep(1);
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 1\n"));
   ASSERT_TRUE(registry->Detach(ref).ok());  // the last session: the job is released
@@ -95,7 +95,7 @@ TEST(Metrics, AReleasedJobsSeriesGoAtTheNextScrape) {
 TEST(Metrics, AHeldObserverKeepsItsSeriesUntilItIsDropped) {
   uint64_t ref = 0;
   auto registry = RegistryWithJob("job-a", &ref);
-  Metrics metrics(*registry);
+  Metrics metrics(*registry, /*per_job=*/true);
   auto observer = metrics.ObserverFor("job-a");
   ASSERT_TRUE(registry->Detach(ref).ok());  // the job is released, its optimizer not yet gone
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"job-a\"} 0\n"));
@@ -107,7 +107,7 @@ TEST(Metrics, AHeldObserverKeepsItsSeriesUntilItIsDropped) {
 }
 
 TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
-  Metrics metrics;  // as the daemon makes it, before its Registry
+  Metrics metrics(/*per_job=*/true);  // as the daemon makes it, before its Registry
   metrics.ObserverFor("early")->OnStep(1);
   const std::string text = metrics.Render();
   EXPECT_THAT(text, HasSubstr("tsd_build_info{version="));
@@ -119,6 +119,25 @@ TEST(Metrics, BeforeARegistryIsWatchedOnlyTheOptimizerIsExported) {
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_pool_bytes 67108864\n"));
   EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total{job_name=\"early\"} 1\n"));
   metrics.StopServing();
+}
+
+// Without per-job series (the default) no job is named: the optimizer's records of every job go
+// to one unlabelled series, which stays when jobs go.
+TEST(Metrics, AggregatesOnlyByDefault) {
+  uint64_t ref = 0;
+  auto registry = RegistryWithJob("job-a", &ref);
+  ASSERT_TRUE(registry->Alloc(ref, "r", 1 << 20).ok());
+  Metrics metrics(*registry);
+  metrics.ObserverFor("job-a")->OnStep(1);
+  metrics.ObserverFor("job-b")->OnStep(2);
+  const std::string text = metrics.Render();
+  EXPECT_THAT(text, Not(HasSubstr("job-a")));
+  EXPECT_THAT(text, Not(HasSubstr("tsd_job_")));
+  EXPECT_THAT(text, HasSubstr("tsd_optimizer_steps_total 2\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_regions 1\n"));
+  EXPECT_THAT(text, HasSubstr("tsd_pool_used_bytes 1048576\n"));
+  ASSERT_TRUE(registry->Detach(ref).ok());
+  EXPECT_THAT(metrics.Render(), HasSubstr("tsd_optimizer_steps_total 2\n"));
 }
 
 TEST(Metrics, ListenReportsAPortAndATakenOneIsAnError) {

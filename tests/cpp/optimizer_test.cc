@@ -9,8 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 
@@ -115,7 +117,7 @@ TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
   for (int step = 1; step <= 20; ++step) {
     std::vector<GroupHyper> hyper = spec.groups;
     for (auto& h : hyper) h.lr *= (1.0 + 0.05 * step);  // a scheduler
-    for (size_t g = 0; g < hyper.size(); ++g) s.opt->SetGroup(g, hyper[g]);
+    for (size_t g = 0; g < hyper.size(); ++g) EXPECT_TRUE(s.opt->SetGroup(g, hyper[g]).ok());
     std::vector<std::vector<float>> acc(sizes.size());
     for (int micro = 0; micro < 2; ++micro) {
       for (size_t b = 0; b < sizes.size(); ++b) {
@@ -431,6 +433,125 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
   ASSERT_TRUE(bystander.opt->Ready(0).ok());
   ASSERT_TRUE(bystander.opt->Wait(0).ok());
   EXPECT_EQ(bystander.opt->steps(0), 1u);
+}
+
+// Issue 13, defect 6: once tsd has closed a session for a protocol violation, releasing the job
+// zeroes the control page, so the page shows no failure. Every later call of the optimizer must
+// still fail, with the same error, naming the reason (it used to accept the next Ready).
+TEST(Optimizer, EveryCallAfterSessionClosedRaisesTheSameReason) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 1000, DType::kF32, DType::kF32}};
+  auto victim = Attach(*d, "closed-victim", spec);
+  ASSERT_TRUE(victim.opt);
+  {
+    auto page = victim.client->Map("opt/control");
+    ASSERT_TRUE(page.ok());
+    auto view = wire::ControlView::Of((*page)->data(), 1);
+    view.buckets[0].ready.store(5);  // a skipped counter: a protocol violation
+    view.header->doorbell.fetch_add(1);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&view.header->doorbell), FUTEX_WAKE, 1, nullptr,
+            nullptr, 0);
+  }
+  // Wait until the daemon released the job (without calling the optimizer, which would read the
+  // failure from the page while it is still there).
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto jobs = d->Connect()->Jobs();
+        return jobs.ok() && std::none_of(jobs->begin(), jobs->end(), [](const JobStatus& j) {
+                 return j.name == "closed-victim";
+               });
+      },
+      5));
+  const absl::Status first = victim.opt->Ready(0);
+  EXPECT_EQ(first.code(), absl::StatusCode::kAborted) << first;
+  EXPECT_THAT(std::string(first.message()), HasSubstr("may only advance by one"));
+  EXPECT_THAT(std::string(first.message()), HasSubstr("can take no more steps"));
+  EXPECT_EQ(victim.opt->Ready(0), first);
+  EXPECT_EQ(victim.opt->Wait(0, absl::Seconds(1)), first);
+  EXPECT_EQ(victim.opt->Commit(absl::Seconds(1)), first);
+  EXPECT_EQ(victim.opt->SetGroup(0, {}), first);
+}
+
+// Hyperparameters are checked on the client before they reach the control page (where a bad
+// one is a protocol violation that closes the optimizer): each is refused by name and nothing
+// changes; the optimizer keeps working.
+TEST(Optimizer, BadHyperparametersAreRefusedBeforeThePage) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 100, DType::kF32, DType::kF32}};
+  auto s = Attach(*d, "hyper", spec);
+  ASSERT_TRUE(s.opt);
+  ASSERT_TRUE(s.opt->SetGroup(0, {.lr = 0.5}).ok());
+  const double inf = std::numeric_limits<double>::infinity();
+  const struct {
+    GroupHyper h;
+    const char* says;
+  } bad[] = {
+      {{.lr = std::nan("")}, "lr = nan"},
+      {{.lr = -1e-3}, "lr = -0.001"},
+      {{.lr = inf}, "lr = inf"},
+      {{.beta1 = 1.0}, "beta1 = 1"},
+      {{.beta1 = -0.1}, "beta1 = -0.1"},
+      {{.beta2 = std::nan("")}, "beta2 = nan"},
+      {{.eps = 0}, "eps = 0"},
+      {{.eps = inf}, "eps = inf"},
+      {{.weight_decay = std::nan("")}, "weight_decay = nan"},
+  };
+  for (const auto& b : bad) {
+    const absl::Status st = s.opt->SetGroup(0, b.h);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.says;
+    EXPECT_THAT(std::string(st.message()), HasSubstr(b.says));
+    EXPECT_THAT(std::string(st.message()), HasSubstr("parameter group 0"));
+  }
+  EXPECT_EQ(s.opt->SetGroup(1, {}).code(), absl::StatusCode::kInvalidArgument);
+  auto page = s.client->Map("opt/control");
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(wire::ControlView::Of((*page)->data(), 1).groups[0].lr, 0.5);  // unchanged
+  std::memset(s.opt->grad(0), 0, 400);
+  ASSERT_TRUE(s.opt->Ready(0).ok());
+  ASSERT_TRUE(s.opt->Wait(0).ok());
+  EXPECT_EQ(s.opt->steps(0), 1u);
+}
+
+// Found by fuzz_state_file (issue 13): a state file whose header has a "dtype" or "format" that is
+// not a string made the JSON library throw inside load_state, and the uncaught exception ended
+// the daemon. Each such file is refused with INVALID_ARGUMENT; the daemon and the job live on.
+TEST(Optimizer, StateFileWithNonStringFieldsIsRefusedNotFatal) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
+  auto s = Attach(*d, "state-poison", spec);
+  ASSERT_TRUE(s.opt);
+  const std::string good_meta = R"("__metadata__":{"format":"tsd.optimizer.v1"})";
+  const std::string headers[] = {
+      R"({"__metadata__":{"format":1}})",
+      R"({"__metadata__":{"format":["tsd.optimizer.v1"]}})",
+      "{" + good_meta + R"(,"b0.master":{"data_offsets":[0,12],"dtype":[1],"shape":[3]}})",
+      "{" + good_meta + R"(,"b0.master":{"data_offsets":[0,12],"dtype":7,"shape":[3]}})",
+  };
+  for (const std::string& header : headers) {
+    const int fd = memfd_create("poison", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    file += header + std::string(64, '\0');
+    ASSERT_EQ(write(fd, file.data(), file.size()), static_cast<ssize_t>(file.size()));
+    auto loaded = s.opt->LoadState(fd);
+    close(fd);
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << header;
+    ASSERT_TRUE(d->running()) << header;
+    ASSERT_EQ(kill(d->pid(), 0), 0) << "tsd died on " << header << "\n" << d->log();
+  }
+  std::memset(s.opt->grad(0), 0, 12);
+  ASSERT_TRUE(s.opt->Ready(0).ok());
+  ASSERT_TRUE(s.opt->Wait(0).ok());
 }
 
 TEST(Optimizer, ClientKilledWhileItsBucketIsUpdated) {

@@ -700,8 +700,9 @@ TEST(Reload, SettingsThatNeedARestartOrABadFileAreRefused) {
 
 TEST(Metrics, ScrapeParsesAndMatchesTsctl) {
   const int port = FreePort();
-  auto d = DaemonProcess::Start(
-      {.args = {"--pool-size", "256MiB", "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
+  auto d =
+      DaemonProcess::Start({.args = {"--pool-size", "256MiB", "--metrics-per-job",
+                                     "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
   ASSERT_TRUE(d);
   auto a = d->Connect(), b = d->Connect(), b2 = d->Connect();
   ASSERT_TRUE(a->Attach("metrics-a", 64 << 20).ok());
@@ -757,8 +758,9 @@ TEST(Metrics, ScrapeParsesAndMatchesTsctl) {
 
 TEST(Metrics, OptimizerStepsLatencyAndThroughputAreExported) {
   const int port = FreePort();
-  auto d = DaemonProcess::Start(
-      {.args = {"--pool-size", "256MiB", "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
+  auto d =
+      DaemonProcess::Start({.args = {"--pool-size", "256MiB", "--metrics-per-job",
+                                     "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
   ASSERT_TRUE(d);
   auto c = d->Connect();
   ASSERT_TRUE(c->Attach("metrics-opt").ok());
@@ -780,6 +782,36 @@ TEST(Metrics, OptimizerStepsLatencyAndThroughputAreExported) {
   EXPECT_EQ(Value(m, "tsd_optimizer_params_total", job), 3 * 301000);
   EXPECT_EQ(Value(m, "tsd_bucket_update_seconds_count", job), 6);
   EXPECT_GT(Value(m, "tsd_bucket_update_seconds_sum", job), 0);
+}
+
+// Issue 13, defect 9: by default /metrics (which any local user may scrape) shows aggregates
+// only, no job's name, owner or usage; `metrics_per_job` turns the per-job series on.
+TEST(Metrics, ByDefaultNoJobIsNamed) {
+  const int port = FreePort();
+  auto d = DaemonProcess::Start(
+      {.args = {"--pool-size", "256MiB", "--metrics-listen", "127.0.0.1:" + std::to_string(port)}});
+  ASSERT_TRUE(d);
+  auto c = d->Connect();
+  ASSERT_TRUE(c->Attach("secret-project").ok());
+  ASSERT_TRUE(c->Alloc("x", 1 << 20).ok());
+  tsd::OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 1000, tsd::DType::kF32, tsd::DType::kF32}};
+  auto opt = c->RegisterOptimizer(spec);
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ASSERT_TRUE((*opt)->Ready(0).ok());
+  ASSERT_TRUE((*opt)->WaitAll().ok());
+  const std::string text = HttpGet(port, "/metrics");
+  EXPECT_THAT(text, Not(HasSubstr("secret-project")));
+  EXPECT_THAT(text, Not(HasSubstr("job_name")));
+  EXPECT_THAT(text, Not(HasSubstr("uid=")));
+  std::string error;
+  const std::vector<Sample> m = ParsePrometheusText(text, &error);
+  ASSERT_TRUE(error.empty()) << error;
+  EXPECT_EQ(Value(m, "tsd_jobs"), 1);
+  EXPECT_GE(Value(m, "tsd_regions"), 1);
+  EXPECT_EQ(Value(m, "tsd_optimizer_steps_total"), 1);  // one aggregate series
+  EXPECT_TRUE(std::isnan(Value(m, "tsd_job_used_bytes", {{"job_name", "secret-project"}})));
 }
 
 TEST(Metrics, ATakenPortFailsTheStartWithAHint) {

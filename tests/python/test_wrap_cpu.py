@@ -559,3 +559,36 @@ def test_offload_auto_keeps_offloading_when_it_does_not_fit(tsd):
         assert any("keeps offloading" in e for e in trainstream.unwrap_session(model).events)
     finally:
         trainstream.unwrap(model)
+
+
+def test_fractional_accumulation_steps_are_refused(tsd):
+    model = make_gpt()
+    for bad in (2.5, "2", True, 0):
+        with pytest.raises(ValueError, match="accumulation_steps must be a whole number"):
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                             accumulation_steps=bad)
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert c.status().jobs == 0  # nothing was created
+
+
+def test_bad_hyperparameters_are_refused_before_they_reach_tsd(tsd):
+    model = make_gpt()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket)
+    try:
+        t = batches(2)
+        for key, value, says in (("lr", float("nan"), "lr = nan"), ("lr", -1.0, "lr = -1.0"),
+                                 ("eps", 0.0, "eps = 0.0"), ("betas", (1.0, 0.95), r"betas\[0\] = 1.0"),
+                                 ("weight_decay", float("inf"), "weight_decay = inf")):
+            good = opt.param_groups[0][key]
+            opt.param_groups[0][key] = value
+            with pytest.raises(ValueError, match=r"param_groups\[0\]: " + says):
+                loss_of(model, t[0]).backward()
+            opt.param_groups[0][key] = good
+            for p in model.parameters():
+                p.grad = None
+        # The optimizer in tsd was never touched: training goes on.
+        loss_of(model, t[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    finally:
+        trainstream.unwrap(model)

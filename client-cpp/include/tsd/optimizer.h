@@ -30,6 +30,10 @@ namespace tsd {
 
 class Client;
 class Region;
+struct GroupHyper;
+
+// The checks SetGroup makes (also usable before registering).
+absl::Status CheckGroupHyper(size_t g, const GroupHyper& h);
 
 enum class DType : uint8_t { kF32 = 1, kBF16 = 2, kF16 = 3 };
 size_t DTypeBytes(DType d);
@@ -78,8 +82,10 @@ class Optimizer final {
   // The bucket's updated parameters, in its param dtype. Valid after Wait(b).
   const void* param(size_t b) const;
 
-  // Writes group `g`'s hyperparameters for the next step's updates.
-  void SetGroup(size_t g, const GroupHyper& h);
+  // Writes group `g`'s hyperparameters for the next step's updates. Refuses (INVALID_ARGUMENT,
+  // naming the value, writing nothing) a non-finite or negative lr, a beta outside [0, 1), an eps
+  // that is not finite and positive, or a non-finite or negative weight_decay.
+  absl::Status SetGroup(size_t g, const GroupHyper& h);
   // Publishes bucket b's gradient slot and rings the doorbell. `first`: start accumulating afresh;
   // `final`: update the parameters after this delivery. The defaults are one delivery per step.
   // Call only when the bucket is idle (after Wait(b)).
