@@ -30,6 +30,8 @@ struct Config {
   // Nice value of the optimizer workers (-20..19). Above 0 they yield the CPU to a trainer's
   // latency-sensitive threads (the one launching CUDA kernels) on the same machine.
   int optimizer_nice = 0;
+  std::string store_budget;  // as given: a size, or a share of the pool
+  std::string store_keep;    // how long an unused weight store is kept
   std::string config_path;  // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.
@@ -39,6 +41,8 @@ struct Config {
   uint64_t pool_bytes = 0;
   uint64_t max_job_quota_bytes = 0;
   absl::Duration orphan_grace_duration = absl::ZeroDuration();
+  uint64_t store_budget_bytes = 0;
+  absl::Duration store_keep_duration = absl::ZeroDuration();
 };
 
 // What the command line asked for besides the configuration.

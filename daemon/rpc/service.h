@@ -8,13 +8,16 @@
 
 #include "absl/time/time.h"
 #include "daemon/jobs/registry.h"
+#include "daemon/stores/store_manager.h"
 #include "proto/tsd.grpc.pb.h"
 
 namespace tsd {
 
 class TsdService final : public v1::Tsd::Service {
  public:
-  TsdService(Registry& registry, bool locked) : registry_(registry), locked_(locked) {}
+  // `stores` may be null (ListStores then lists none).
+  TsdService(Registry& registry, bool locked, stores::StoreManager* stores = nullptr)
+      : registry_(registry), locked_(locked), stores_(stores) {}
 
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
@@ -24,10 +27,14 @@ class TsdService final : public v1::Tsd::Service {
   // Retired with protocol 1: tells such a client to upgrade.
   grpc::Status Attach(grpc::ServerContext*, const v1::RetiredRequest*,
                       v1::RetiredResponse*) override;
+  // The complete stores: metadata only (mapping one needs its files' descriptors).
+  grpc::Status ListStores(grpc::ServerContext*, const v1::ListStoresRequest*,
+                          v1::ListStoresResponse*) override;
 
  private:
   Registry& registry_;
   const bool locked_;
+  stores::StoreManager* const stores_;
   const absl::Time started_ = absl::Now();
 };
 
