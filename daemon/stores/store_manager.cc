@@ -24,15 +24,17 @@ namespace {
 
 constexpr const char* kLabel = "data";  // the one charge of a store in the ledger
 
+void CloseAll(std::vector<SourceFile>& files) {
+  for (SourceFile& f : files) {
+    if (f.fd >= 0) close(f.fd);
+    f.fd = -1;
+  }
+}
+
 // Closes the descriptors of `files` when it goes out of scope.
 struct FilesCloser {
   std::vector<SourceFile>& files;
-  ~FilesCloser() {
-    for (SourceFile& f : files) {
-      if (f.fd >= 0) close(f.fd);
-      f.fd = -1;
-    }
-  }
+  ~FilesCloser() { CloseAll(files); }
 };
 
 // The identity of what `spec` asks for, apart from the files.
@@ -99,7 +101,7 @@ StoreManager::~StoreManager() {
   sweeper_.join();
   std::vector<StorePtr> dead;
   MutexLock lock(mu_);
-  for (auto& [session, staged] : staged_) FilesCloser{staged.files};
+  for (auto& [session, staged] : staged_) CloseAll(staged.files);
   staged_.clear();
   while (!stores_.empty()) {
     StorePtr s = stores_.begin()->second;
@@ -265,20 +267,13 @@ absl::Status StoreManager::Build(const StorePtr& store, const std::vector<Source
   }();
   std::vector<StorePtr> dead;
   MutexLock lock(mu_);
-  const auto forget = [&] {
-    for (const std::string& k : store->keys) {
-      auto it = by_key_.find(k);
-      if (it != by_key_.end() && it->second == store) by_key_.erase(it);
-    }
-    stores_.erase(store->id);
-  };
   if (status.ok()) {
     const std::string digest_key = absl::StrCat(digest, "|", SpecKey(store->spec));
     auto copy = by_digest_.find(digest_key);
     if (copy != by_digest_.end() && copy->second->state == State::kReady) {
       // The same checkpoint, found elsewhere on disk: share the store built before.
       StorePtr other = copy->second;
-      forget();
+      ForgetLocked(store);
       for (const std::string& k : store->keys) {
         other->keys.push_back(k);
         by_key_[k] = other;
@@ -313,7 +308,7 @@ absl::Status StoreManager::Build(const StorePtr& store, const std::vector<Source
       return absl::OkStatus();
     }
   }
-  forget();
+  ForgetLocked(store);
   store->state = State::kFailed;
   store->failure = status;
   built_.NotifyAll();
@@ -346,15 +341,19 @@ absl::StatusOr<OpenedStore> StoreManager::Describe(const Store& store, bool buil
   return out;
 }
 
-void StoreManager::DropLocked(const StorePtr& store, const char* reason,
-                              std::vector<StorePtr>& dead) {
+void StoreManager::ForgetLocked(const StorePtr& store) {
   for (const std::string& k : store->keys) {
     auto it = by_key_.find(k);
     if (it != by_key_.end() && it->second == store) by_key_.erase(it);
   }
+  stores_.erase(store->id);
+}
+
+void StoreManager::DropLocked(const StorePtr& store, const char* reason,
+                              std::vector<StorePtr>& dead) {
+  ForgetLocked(store);
   auto d = by_digest_.find(store->digest_key);
   if (d != by_digest_.end() && d->second == store) by_digest_.erase(d);
-  stores_.erase(store->id);
   if (absl::Status s = ledger_.Uncharge(Holder::Store(store->holder), kLabel, store->bytes);
       !s.ok()) {
     spdlog::error("event=ledger_mismatch store={} error=\"{}\"", store->id,
@@ -403,7 +402,7 @@ void StoreManager::UserReleased(const StoreUser& user) {
   MutexLock lock(mu_);
   for (auto it = staged_.begin(); it != staged_.end();) {
     if (it->second.user == user) {
-      FilesCloser{it->second.files};
+      CloseAll(it->second.files);
       it = staged_.erase(it);
     } else {
       ++it;

@@ -157,6 +157,8 @@ class StoreManager final {
   // Evicts the least recently used unused store; false when there is none. Its memory goes to
   // `dead`, to be freed once the lock is dropped.
   bool EvictOneLocked(std::vector<StorePtr>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `store` from the books (its identities and the list), charging nothing back.
+  void ForgetLocked(const StorePtr& store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLocked(const StorePtr& store, const char* reason, std::vector<StorePtr>& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The user left `store`: drop it at once when keep is zero.
