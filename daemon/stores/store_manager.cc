@@ -157,6 +157,10 @@ absl::Status StoreManager::StageFile(uint64_t session, const StoreUser& user, in
         " checkpoint files, the limit; open the store (open_store) before sending more"));
   }
   f.label = ec ? absl::StrCat("checkpoint file ", staged.files.size() + 1) : path.string();
+  // The name is the client's choice: no control characters into logs and replies.
+  for (char& ch : f.label) {
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f || ch == '"') ch = '?';
+  }
   staged.files.push_back(f);
   one[0].fd = -1;  // kept
   return absl::OkStatus();
