@@ -20,6 +20,8 @@
 #include "daemon/ops/notify.h"
 #include "daemon/ops/reload.h"
 #include "daemon/ops/resource_budget.h"
+#include "daemon/rpc/side_server.h"
+#include "daemon/stores/store_manager.h"
 #include "daemon/ops/version.h"
 #include "daemon/optimizer/worker_pool.h"
 #include "daemon/rpc/control_plane.h"
@@ -161,18 +163,38 @@ int RunDaemon(const Config& config) {
         config.optimizer_nice, std::strerror(pool.nice_errno()));
   }
   options.metrics = &metrics;
-  // The node's one book of bytes: jobs' regions and optimizer state are charged through it.
-  Ledger ledger(config.pool_bytes, 0);
+  // The node's one book of bytes: jobs' regions, optimizer state and stores are charged to it.
+  Ledger ledger(config.pool_bytes, config.store_budget_bytes);
   options.ledger = &ledger;
+  // The weight stores outlive the Registry, which tells them of every job it releases.
+  stores::StoreManager stores(ledger, {.keep = config.store_keep_duration,
+                                       .lock_memory = memlock.can_lock,
+                                       .isa = kernels::BestIsa()});
+  options.on_job_released = [&stores](const JobRef& job) {
+    stores.UserReleased({job.name, job.instance});
+  };
+  options.make_room = [&stores](uint64_t bytes) { return stores.MakeRoom(bytes); };
   Registry registry(options);
   metrics.WatchRegistry(registry);
+  metrics.WatchGauges([&stores] {
+    const stores::StoreTotals t = stores.Totals();
+    return std::vector<Metrics::NamedGauge>{
+        {"tsd_stores", "Weight stores held (complete ones)", static_cast<double>(t.stores)},
+        {"tsd_store_bytes", "Bytes the weight stores hold", static_cast<double>(t.bytes)},
+        {"tsd_store_users", "Jobs using a weight store, summed over stores",
+         static_cast<double>(t.users)},
+        {"tsd_store_budget_bytes", "The weight stores' budget in bytes",
+         static_cast<double>(t.budget_bytes)},
+        {"tsd_store_evictions", "Unused weight stores evicted for room since the daemon started",
+         static_cast<double>(t.evictions)}};
+  });
   Reloader reloader(config, registry, memlock.can_lock);
 
   const std::string side_path = wire::SideSocketPath(socket_path);
-  SideServer side(registry);
+  SideServer side(registry, 4, &stores);
   if (absl::Status s = side.Listen(side_path, *gid); !s.ok()) return Fail(s);
 
-  ControlPlane control(registry, memlock.can_lock, socket_path, *gid);
+  ControlPlane control(registry, memlock.can_lock, socket_path, *gid, &stores);
   if (absl::Status s = control.Start(); !s.ok()) return Fail(s);
   side.Start();
   std::string metrics_at = "off";

@@ -81,6 +81,40 @@ int PrintJobs(tsd::Client& client, bool json) {
   return 0;
 }
 
+int PrintStores(tsd::Client& client, bool json) {
+  auto stores = client.Stores();
+  if (!stores.ok()) {
+    std::cerr << "tsctl: " << stores.status().message() << "\n";
+    return 1;
+  }
+  if (json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& s : *stores) {
+      out.push_back({{"id", s.id},
+                     {"source", s.source},
+                     {"format", s.format},
+                     {"block_size", s.block_size},
+                     {"bytes", s.bytes},
+                     {"users", s.users},
+                     {"idle_s", s.idle_s},
+                     {"digest", s.digest},
+                     {"tensors", s.tensors}});
+    }
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
+  std::printf("%6s %-6s %12s %6s %8s  %s\n", "STORE", "FORMAT", "BYTES", "USERS", "IDLE", "SOURCE");
+  for (const auto& s : *stores) {
+    const std::string format =
+        s.block_size == 0 ? s.format : s.format + "/" + std::to_string(s.block_size);
+    const std::string idle = s.users > 0 ? "-" : std::to_string(static_cast<int>(s.idle_s)) + "s";
+    std::printf("%6llu %-6s %12s %6u %8s  %s\n", static_cast<unsigned long long>(s.id),
+                format.c_str(), tsd::wire::FormatBytes(s.bytes).c_str(), s.users, idle.c_str(),
+                s.source.c_str());
+  }
+  return 0;
+}
+
 // --- tsctl top ---------------------------------------------------------------------------------
 
 // What `tsctl top` shows and how often.
@@ -307,7 +341,7 @@ int main(int argc, char** argv) {
   std::string socket;
   app.add_option("--socket", socket, "tsd's socket (default $TSD_SOCKET, else tsd's default path)");
   app.require_subcommand(1);
-  bool status_json = false, jobs_json = false;
+  bool status_json = false, jobs_json = false, stores_json = false;
   auto* status =
       app.add_subcommand("status", "the pool: version, uptime, bytes, locked, jobs, sessions");
   status->add_flag(
@@ -316,6 +350,11 @@ int main(int argc, char** argv) {
   auto* jobs = app.add_subcommand("jobs", "every job: name, uid, sessions, used and quota bytes");
   jobs->add_flag("--json", jobs_json,
                  "a JSON array of {name, uid, sessions, used_bytes, quota_bytes}");
+  auto* stores = app.add_subcommand(
+      "stores", "the node's weight stores: id, format, bytes, users, idle time, source files");
+  stores->add_flag("--json", stores_json,
+                   "a JSON array of {id, source, format, block_size, bytes, users, idle_s, "
+                   "digest, tensors}");
   TopOptions top_options;
   auto* top = app.add_subcommand(
       "top",
@@ -347,5 +386,6 @@ int main(int argc, char** argv) {
   }
   if (*status) return PrintStatus(**client, status_json);
   if (*top) return RunTop(**client, top_options);
+  if (*stores) return PrintStores(**client, stores_json);
   return PrintJobs(**client, jobs_json);
 }

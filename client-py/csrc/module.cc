@@ -9,6 +9,9 @@
 //     the daemon zeroes freed memory, so a live view would silently read zeros.
 //   * Optimizer: the slots of a registered optimizer as torch tensors that alias the shared
 //     memory (torch::from_blob, no copies), and the hot-path calls (ready, wait, commit, state).
+//   * Store: a weight store (tsd/store.h) mapped here read-only, its tensor table, and byte views
+//     over it as torch uint8 tensors (no copies; the mapping lives while a view does). Writing
+//     through such a view faults: callers copy what they will modify.
 //   * DTYPES (name -> bytes: the dtypes tsd's optimizer takes), PAGE_BYTES and
 //     control_page_bytes(groups, buckets), taken from the C++ headers, so Python keeps no copy.
 // Errors are absl::Status values; they cross into Python as trainstream's TsdError subclasses
@@ -92,6 +95,39 @@ at::ScalarType ScalarTypeOf(tsd::DType d) {
       return at::kHalf;
   }
   return at::kFloat;
+}
+
+// A weight store mapped here; byte views hold a reference to the mapping.
+struct StoreHandle {
+  std::shared_ptr<tsd::StoreView> view;
+};
+
+torch::Tensor StoreBytes(const StoreHandle& h, uint64_t offset, uint64_t nbytes) {
+  const uint64_t size = h.view->size();
+  if (offset > size || nbytes > size - offset) {
+    Throw(absl::OutOfRangeError("bytes [" + std::to_string(offset) + ", +" +
+                                std::to_string(nbytes) + ") are outside store " +
+                                std::to_string(h.view->id()) + " of " + std::to_string(size) +
+                                " bytes"));
+  }
+  auto keep = h.view;
+  return torch::from_blob(
+      const_cast<uint8_t*>(h.view->data()) + offset, {static_cast<int64_t>(nbytes)},
+      [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8));
+}
+
+py::dict StoreStatusDict(const tsd::StoreStatus& s) {
+  py::dict d;
+  d["id"] = s.id;
+  d["source"] = s.source;
+  d["format"] = s.format;
+  d["block_size"] = s.block_size;
+  d["bytes"] = s.bytes;
+  d["users"] = s.users;
+  d["idle_s"] = s.idle_s;
+  d["digest"] = s.digest;
+  d["tensors"] = s.tensors;
+  return d;
 }
 
 // A Client shared by Python and by every Optimizer it registered: the optimizer's regions hold a
@@ -373,6 +409,31 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("live_views", [](const RegionHandle& h) { return h.views->load(); })
       .def("bytes", &RegionBytes, py::arg("offset"), py::arg("nbytes"));
 
+  py::class_<StoreHandle>(m, "Store")
+      .def_property_readonly("id", [](const StoreHandle& h) { return h.view->id(); })
+      .def_property_readonly("size", [](const StoreHandle& h) { return h.view->size(); })
+      .def_property_readonly("built", [](const StoreHandle& h) { return h.view->built(); })
+      .def_property_readonly("status",
+                             [](const StoreHandle& h) { return StoreStatusDict(h.view->status()); })
+      .def_property_readonly("tensors",
+                             [](const StoreHandle& h) {
+                               py::list out;
+                               for (const tsd::StoreTensorView& t : h.view->tensors()) {
+                                 py::dict d;
+                                 d["name"] = t.name;
+                                 d["dtype"] = t.dtype;
+                                 d["shape"] = t.shape;
+                                 d["quantized"] = t.quantized;
+                                 d["offset"] = t.offset;
+                                 d["bytes"] = t.bytes;
+                                 d["absmax_offset"] = t.absmax_offset;
+                                 d["absmax_count"] = t.absmax_count;
+                                 out.append(d);
+                               }
+                               return out;
+                             })
+      .def("bytes", &StoreBytes, py::arg("offset"), py::arg("nbytes"));
+
   py::class_<tsd::Client, ClientPtr>(m, "Client")
       .def_static(
           "connect",
@@ -497,6 +558,41 @@ PYBIND11_MODULE(_C, m) {
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
            py::arg("maximize") = false)
+      .def(
+          "open_store",
+          [](tsd::Client& c, const std::vector<std::string>& files, const std::string& format,
+             uint32_t block_size, const std::vector<std::pair<std::string, bool>>& tensors) {
+            tsd::StoreSpec spec;
+            spec.format = format;
+            spec.block_size = block_size;
+            for (const auto& [name, quantize] : tensors) spec.tensors.push_back({name, quantize});
+            StoreHandle h;
+            {
+              py::gil_scoped_release release;
+              h.view = Value(c.OpenStore(files, spec));
+            }
+            return h;
+          },
+          py::arg("files"), py::arg("format") = "none", py::arg("block_size") = 64,
+          py::arg("tensors") = std::vector<std::pair<std::string, bool>>{})
+      .def(
+          "close_store",
+          [](tsd::Client& c, uint64_t id) {
+            py::gil_scoped_release release;
+            Check(c.CloseStore(id));
+          },
+          py::arg("store_id"))
+      .def("stores",
+           [](tsd::Client& c) {
+             std::vector<tsd::StoreStatus> stores;
+             {
+               py::gil_scoped_release release;
+               stores = Value(c.Stores());
+             }
+             py::list out;
+             for (const auto& s : stores) out.append(StoreStatusDict(s));
+             return out;
+           })
       .def_property_readonly("socket_path", &tsd::Client::socket_path)
       .def_property_readonly("attached", &tsd::Client::attached)
       .def_property_readonly("job", &tsd::Client::job)

@@ -7,6 +7,7 @@
 
 The package, by responsibility (docs/python.md):
   client     connect(), Client, Region: a session with tsd and the host memory it lends
+  store      Store: a weight store, one read-only copy of a checkpoint tsd shares across jobs
   units      sizes ("8GiB") and dtypes, read as tsd reads them
   planner    Budget, Demand, Plan, plan(): a budget in, a plan out (pure)
   memory     HostArena: blocks of host memory over a few large tsd regions
@@ -22,6 +23,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .client import Client, Job, Notice, OptimizerLayout, Region, RegionInfo, Status, connect
 from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, MemoryCheckFailed, NotFound,
+from .store import Store, StoreInfo, StoreTensor
                      PermissionDenied, QuotaExceeded, SessionClosed, Timeout, TsdError)
 from .memory import HostArena
 from .optim import TsdAdamW
@@ -33,6 +35,6 @@ from .wiring import plan_wrap, unwrap, unwrap_session, wrap
 __version__ = "0.5.0"
 
 __all__ = ["connect", "wrap", "plan_wrap", "unwrap", "unwrap_session", "TsdAdamW", "Client", "Status", "Job",
-           "Region", "RegionInfo", "OptimizerLayout", "Notice", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
+           "Region", "RegionInfo", "OptimizerLayout", "Notice", "Store", "StoreInfo", "StoreTensor", "HostArena", "Budget", "Plan", "parse_bytes", "format_bytes",
            "quantize_model", "TsdError", "DaemonUnavailable", "InvalidRequest", "QuotaExceeded", "MemoryCheckFailed", "PermissionDenied", "NotFound",
            "AlreadyExists", "FailedPrecondition", "SessionClosed", "Timeout"]

@@ -9,6 +9,7 @@ import torch
 
 from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
 from .errors import FailedPrecondition
+from .store import Store, StoreInfo
 from .units import Size, parse_bytes
 
 __all__ = ["Client", "Status", "Job", "Region", "RegionInfo", "OptimizerLayout", "Notice", "connect", "parse_bytes"]
@@ -263,6 +264,26 @@ class Client:
                                    amsgrad, maximize)
         offsets = tuple((int(m), int(g), int(p)) for m, g, p in d.pop("buckets"))
         return OptimizerLayout(buckets=offsets, **{k: int(v) for k, v in d.items()})
+
+    # ---- weight stores (docs/stores.md)
+    def open_store(self, files: Sequence[Union[str, os.PathLike]], format: str = "none", block_size: int = 64,
+                   tensors: Sequence[tuple[str, bool]] = ()) -> Store:
+        """Opens the weight store of the safetensors checkpoint `files` (opened here, read-only,
+        and sent to tsd as descriptors): tsd finds it, or builds it in `format` ("none": as
+        stored, "nf4", "int8"; `block_size` elements per absmax block) holding `tensors`
+        ((name, quantize) pairs; empty: every tensor, as stored). The job uses the store until
+        `close_store` or its release."""
+        handle = self._c.open_store([os.fspath(f) for f in files], format, int(block_size),
+                                    [(str(n), bool(q)) for n, q in tensors])
+        return Store(handle, self)
+
+    def close_store(self, store_id: int) -> None:
+        """The job stops using store `store_id` (tsd keeps it warm for store_keep)."""
+        self._c.close_store(int(store_id))
+
+    def stores(self) -> list[StoreInfo]:
+        """Every complete weight store of the node (metadata only)."""
+        return [StoreInfo(**d) for d in self._c.stores()]
 
     def _register_optimizer(self, **spec: Any) -> Any:
         if not self._c.attached:

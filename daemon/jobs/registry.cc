@@ -175,7 +175,12 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
     }
     TSD_RETURN_IF_ERROR(CheckRegionBudgetLocked(job));
     // The quota and the pool: the ledger refuses, naming the biggest holders.
-    TSD_ASSIGN_OR_RETURN(reserved, ledger_->Reserve(Holder::Job(job.name), name, bytes));
+    auto got = ledger_->Reserve(Holder::Job(job.name), name, bytes);
+    if (got.status().code() == absl::StatusCode::kResourceExhausted && options_.make_room &&
+        options_.make_room(bytes) > 0) {
+      got = ledger_->Reserve(Holder::Job(job.name), name, bytes);  // unused stores were evicted
+    }
+    TSD_ASSIGN_OR_RETURN(reserved, std::move(got));
     job.names.insert(name);
     region_id = next_region_id_++;
     instance = job.instance;
@@ -297,6 +302,7 @@ void Registry::ReleaseJobLocked(const std::string& name, ReleaseReason why, Rele
   if (job.optimizer) dead.optimizers.push_back(std::move(job.optimizer));
   for (auto& [id, r] : job.regions) dead.regions.push_back(std::move(r));
   const absl::StatusOr<uint64_t> released = ledger_->CloseJob(name);
+  if (options_.on_job_released) options_.on_job_released(JobRef{name, job.instance});
   spdlog::info("event=job_released job={} uid={} bytes={} regions={} reason={}", name, job.uid,
                released.value_or(0), job.regions.size(), ReleaseReasonName(why));
   jobs_.erase(it);
@@ -474,6 +480,12 @@ absl::Status Registry::InstallOptimizer(uint64_t session_id, const JobRef& ref,
   TSD_ASSIGN_OR_RETURN(job.optimizer, make(job.name, regions));
   job.optimizer_session = session_id;
   return absl::OkStatus();
+}
+
+absl::StatusOr<JobRef> Registry::SessionJob(uint64_t session_id) {
+  MutexLock lock(mu_);
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  return JobRef{session->job, jobs_.at(session->job).instance};
 }
 
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::OptimizerOf(uint64_t session_id) {

@@ -41,6 +41,8 @@
 
 namespace tsd {
 
+struct JobRef;
+
 struct RegistryOptions {
   uint64_t pool_bytes = 0;
   uint64_t max_job_quota_bytes = 0;
@@ -57,6 +59,12 @@ struct RegistryOptions {
   // The node's ledger, shared with the stores (not owned; it must outlive the Registry). Null:
   // the Registry keeps a ledger of its own, of pool_bytes and no store budget.
   Ledger* ledger = nullptr;
+  // Told when a job is released (under the Registry's lock: it must not call the Registry), so
+  // the stores can stop counting it as a user. May be empty.
+  std::function<void(const JobRef& job)> on_job_released;
+  // Asked, when a region does not fit, to free at least `bytes` of the pool (by evicting unused
+  // stores); returns the bytes it freed. Called under the Registry's lock. May be empty.
+  std::function<uint64_t(uint64_t bytes)> make_room;
 };
 
 // Why a session ended or a job (or some of its regions) was released: logged as `reason=`.
@@ -138,6 +146,8 @@ class Registry final {
                                 const std::vector<uint64_t>& region_ids,
                                 const OptimizerFactory& make);
   // --- end of optimizer registration -----------------------------------------------------------
+  // The job of a session (NOT_FOUND when the session has ended).
+  absl::StatusOr<JobRef> SessionJob(uint64_t session_id);
   // The optimizer of a session's job (NOT_FOUND when there is none).
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerOf(uint64_t session_id);
   // A dup of a region's memfd, for a session of the region's job.

@@ -267,6 +267,16 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (!grace.ok())
     return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
   c.orphan_grace_duration = *grace;
+  auto store_budget = ParseSize(c.store_budget, c.pool_bytes);
+  if (!store_budget.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("store_budget: ", store_budget.status().message()));
+  }
+  c.store_budget_bytes = std::min(*store_budget, c.pool_bytes);
+  auto keep = ParseDurationArg(c.store_keep);
+  if (!keep.ok())
+    return absl::InvalidArgumentError(absl::StrCat("store_keep: ", keep.status().message()));
+  c.store_keep_duration = *keep;
   for (const Setting& s : Settings()) {
     if (s.type != SettingType::kChoice) continue;
     const std::string value = s.Get(c);

@@ -35,6 +35,8 @@ struct Config {
   int max_regions_per_job = 0;
   bool metrics_per_job = false;  // per-job series at /metrics (else aggregates only)
   int max_regions_per_uid = 0;
+  std::string store_budget;  // as given: a size, or a share of the pool
+  std::string store_keep;    // how long an unused weight store is kept
   std::string config_path;  // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.
@@ -44,6 +46,8 @@ struct Config {
   uint64_t pool_bytes = 0;
   uint64_t max_job_quota_bytes = 0;
   absl::Duration orphan_grace_duration = absl::ZeroDuration();
+  uint64_t store_budget_bytes = 0;
+  absl::Duration store_keep_duration = absl::ZeroDuration();
 };
 
 // What the command line asked for besides the configuration.

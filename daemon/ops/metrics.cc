@@ -157,10 +157,12 @@ std::shared_ptr<OptimizerObserver> Metrics::ObserverFor(const std::string& job) 
 std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   uint64_t generation;
   const Registry* registry;
+  std::function<std::vector<NamedGauge>()> gauges;
   {
     MutexLock lock(mu_);
     generation = ++generation_;  // series created from here on survive this scrape
     registry = registry_;
+    gauges = gauges_;
   }
 
   std::vector<prometheus::MetricFamily> out;
@@ -186,6 +188,9 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
                        static_cast<double>(view.max_job_quota_bytes)));
   out.push_back(Single("tsd_jobs", "Jobs holding memory", view.pool.jobs));
   out.push_back(Single("tsd_sessions", "Live sessions (hello completed)", view.pool.sessions));
+  if (gauges) {
+    for (const NamedGauge& g : gauges()) out.push_back(Single(g.name, g.help, g.value));
+  }
 
   prometheus::MetricFamily info = Gauge("tsd_job_info", "One per job, labelled with its owner uid");
   prometheus::MetricFamily used = Gauge("tsd_job_used_bytes", "Bytes a job holds");
@@ -228,6 +233,11 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   }
   for (auto& f : optimizer_->Collect()) out.push_back(std::move(f));
   return out;
+}
+
+void Metrics::WatchGauges(std::function<std::vector<NamedGauge>()> source) {
+  MutexLock lock(mu_);
+  gauges_ = std::move(source);
 }
 
 std::string Metrics::Render() const { return prometheus::TextSerializer().Serialize(Collect()); }

@@ -31,7 +31,8 @@
 //   tsd_bucket_update_seconds{job_name}     histogram: time to update one bucket
 // A job's optimizer series disappear with the job (at the first scrape after it is released and
 // no observer of it is held any more).
-// There are no store metrics: the daemon has no stores yet.
+// Weight stores, in aggregate (WatchGauges; daemon/stores): tsd_stores, tsd_store_bytes,
+// tsd_store_users, tsd_store_budget_bytes, tsd_store_evictions (since start).
 //
 // Thread safety: every method may be called from any thread. ObserverFor takes the mutex once per
 // optimizer; the observer's calls take none of Metrics' locks (prometheus-cpp's counters are
@@ -40,6 +41,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -83,6 +85,13 @@ class Metrics final : public OptimizerObservers {
   // Reads pool and job figures from `registry` at each scrape from now on. The registry must
   // outlive the endpoint: call StopServing before destroying it.
   void WatchRegistry(const Registry& registry);
+  // Plain gauges read at each scrape from `source` (the stores' aggregate figures), after the
+  // pool's. The source must outlive the endpoint.
+  struct NamedGauge {
+    std::string name, help;
+    double value = 0;
+  };
+  void WatchGauges(std::function<std::vector<NamedGauge>()> source);
   // The port it listens on; 0 when not listening.
   int port() const;
   // Stops serving (waits up to ~2 s for the HTTP threads: run it beside other shutdown work).
@@ -126,6 +135,7 @@ class Metrics final : public OptimizerObservers {
   // A scrape prunes the series of released jobs, hence mutable.
   mutable Mutex mu_;
   const Registry* registry_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::function<std::vector<NamedGauge>()> gauges_ ABSL_GUARDED_BY(mu_);
   mutable uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   mutable std::map<std::string, std::shared_ptr<JobSeries>> jobs_ ABSL_GUARDED_BY(mu_);
 };

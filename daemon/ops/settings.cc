@@ -121,6 +121,21 @@ const std::vector<Setting>& Settings() {
        .field = &Config::metrics_per_job,
        .default_value = "false",
        .reload = R::kRestart},
+      {.key = "store_budget",
+       .flag = "--store-budget",
+       .help = "host memory weight stores may hold together (part of the pool): a size or a share "
+               "of the pool",
+       .type = T::kSize,
+       .field = &Config::store_budget,
+       .default_value = "50%",
+       .reload = R::kRestart},
+      {.key = "store_keep",
+       .flag = "--store-keep",
+       .help = "keep a weight store this long after its last job stopped using it",
+       .type = T::kDuration,
+       .field = &Config::store_keep,
+       .default_value = "10m",
+       .reload = R::kRestart},
   };
   return *settings;
 }

@@ -23,7 +23,7 @@ constexpr auto kMaxBackoff = std::chrono::seconds(8);
 }  // namespace
 
 absl::Status ControlPlane::BuildLocked() {
-  service_ = std::make_unique<TsdService>(registry_, locked_);
+  service_ = std::make_unique<TsdService>(registry_, locked_, stores_);
   grpc::ServerBuilder builder;
   builder.AddListeningPort("unix:" + socket_path_, grpc::InsecureServerCredentials());
   builder.RegisterService(service_.get());

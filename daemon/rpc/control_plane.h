@@ -23,8 +23,14 @@ namespace tsd {
 
 class ControlPlane final {
  public:
-  ControlPlane(Registry& registry, bool locked, std::string socket_path, gid_t gid)
-      : registry_(registry), locked_(locked), socket_path_(std::move(socket_path)), gid_(gid) {}
+  // `stores` may be null (the service then lists none).
+  ControlPlane(Registry& registry, bool locked, std::string socket_path, gid_t gid,
+               stores::StoreManager* stores = nullptr)
+      : registry_(registry),
+        locked_(locked),
+        socket_path_(std::move(socket_path)),
+        gid_(gid),
+        stores_(stores) {}
   ~ControlPlane() { Shutdown(); }
   ControlPlane(const ControlPlane&) = delete;
   ControlPlane& operator=(const ControlPlane&) = delete;
@@ -45,6 +51,7 @@ class ControlPlane final {
   const bool locked_;
   const std::string socket_path_;
   const gid_t gid_;
+  stores::StoreManager* const stores_;
   mutable Mutex mu_;
   CondVar wake_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -9,6 +9,7 @@
 #include "daemon/ops/version.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "proto/side_message.h"
+#include "daemon/rpc/side_handler.h"
 #include "proto/status_convert.h"
 #include "proto/wire.h"
 
@@ -70,6 +71,13 @@ grpc::ServerUnaryReactor* TsdService::Attach(grpc::CallbackServerContext* ctx,
                                                       &TsdService::Attach);
 }
 
+grpc::ServerUnaryReactor* TsdService::ListStores(grpc::CallbackServerContext* ctx,
+                                                 const grpc::ByteBuffer* req,
+                                                 grpc::ByteBuffer* resp) {
+  return Raw<v1::ListStoresRequest, v1::ListStoresResponse>(ctx, req, resp, "ListStores",
+                                                            &TsdService::ListStores);
+}
+
 grpc::Status TsdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                 v1::StatusResponse* resp) {
   const PoolSnapshot s = registry_.Snapshot();
@@ -127,6 +135,16 @@ grpc::Status TsdService::PlanOptimizer(grpc::ServerContext*,
   resp->set_grad_bytes(plan->grad_bytes);
   resp->set_param_bytes(plan->param_bytes);
   resp->set_accum_bytes(plan->accum_bytes);
+  return grpc::Status::OK;
+}
+
+grpc::Status TsdService::ListStores(grpc::ServerContext*, const v1::ListStoresRequest*,
+                                    v1::ListStoresResponse* resp) {
+  if (stores_ == nullptr) return grpc::Status::OK;
+  for (const stores::StoreStatus& s : stores_->List()) DescribeStore(*resp->add_stores(), s);
+  const stores::StoreTotals totals = stores_->Totals();
+  resp->set_budget_bytes(totals.budget_bytes);
+  resp->set_used_bytes(totals.bytes);
   return grpc::Status::OK;
 }
 

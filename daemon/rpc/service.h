@@ -12,17 +12,21 @@
 
 #include "absl/time/time.h"
 #include "daemon/jobs/registry.h"
+#include "daemon/stores/store_manager.h"
 #include "proto/tsd.grpc.pb.h"
 
 namespace tsd {
 
 using TsdServiceBase = v1::Tsd::WithRawCallbackMethod_Status<
     v1::Tsd::WithRawCallbackMethod_ListJobs<v1::Tsd::WithRawCallbackMethod_PlanOptimizer<
-        v1::Tsd::WithRawCallbackMethod_Attach<v1::Tsd::Service>>>>;
+        v1::Tsd::WithRawCallbackMethod_Attach<
+            v1::Tsd::WithRawCallbackMethod_ListStores<v1::Tsd::Service>>>>>;
 
 class TsdService final : public TsdServiceBase {
  public:
-  TsdService(Registry& registry, bool locked) : registry_(registry), locked_(locked) {}
+  // `stores` may be null (ListStores then lists none).
+  TsdService(Registry& registry, bool locked, stores::StoreManager* stores = nullptr)
+      : registry_(registry), locked_(locked), stores_(stores) {}
 
   grpc::Status Status(grpc::ServerContext*, const v1::StatusRequest*, v1::StatusResponse*) override;
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
@@ -42,6 +46,12 @@ class TsdService final : public TsdServiceBase {
                                           grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* Attach(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
                                    grpc::ByteBuffer* resp) override;
+  grpc::ServerUnaryReactor* ListStores(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* req,
+                                       grpc::ByteBuffer* resp) override;
+  // The complete stores: metadata only (mapping one needs its files' descriptors).
+  grpc::Status ListStores(grpc::ServerContext*, const v1::ListStoresRequest*,
+                          v1::ListStoresResponse*) override;
 
  private:
   template <typename Req, typename Resp>
@@ -52,6 +62,7 @@ class TsdService final : public TsdServiceBase {
 
   Registry& registry_;
   const bool locked_;
+  stores::StoreManager* const stores_;
   const absl::Time started_ = absl::Now();
 };
 

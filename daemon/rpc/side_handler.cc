@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/ops/version.h"
@@ -41,6 +42,12 @@ const char* KindName(const v1::SideRequest& r) {
       return "detach";
     case v1::SideRequest::kRegisterOptimizer:
       return "register_optimizer";
+    case v1::SideRequest::kStoreFile:
+      return "store_file";
+    case v1::SideRequest::kOpenStore:
+      return "open_store";
+    case v1::SideRequest::kCloseStore:
+      return "close_store";
     case v1::SideRequest::KIND_NOT_SET:
       break;
   }
@@ -89,10 +96,11 @@ absl::Status CheckStateFd(int fd, bool save) {
 SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest& request, int fd) {
   SideOutcome out;
   out.reply.set_request_id(request.request_id());
-  const bool wants_fd = request.has_save_state() || request.has_load_state();
+  const bool wants_fd =
+      request.has_save_state() || request.has_load_state() || request.has_store_file();
   if (fd >= 0 && !wants_fd) {
-    // Only state requests carry a descriptor: any other is closed unread, so no client can make
-    // the daemon hold descriptors.
+    // Only state and store_file requests carry a descriptor: any other is closed unread, so no
+    // client can make the daemon hold descriptors.
     close(fd);
     fd = -1;
     spdlog::warn("event=unexpected_fd uid={} pid={} session={} request={}", caller.uid, caller.pid,
@@ -116,7 +124,8 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     SetError(out.reply, absl::InvalidArgumentError(absl::StrCat(
                             "side request ", request.request_id(),
                             " names no request (attach, alloc, free, list_regions, get_fd, "
-                            "detach, register_optimizer, save_state or load_state)")));
+                            "detach, register_optimizer, save_state, load_state, store_file, "
+                            "open_store or close_store)")));
     out.close = caller.session_id == 0;
     out.close_reason = "empty_request";
     return out;
@@ -197,6 +206,13 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
       } else {
         out.reply.mutable_state()->set_bytes(*moved);
       }
+      break;
+    }
+    case v1::SideRequest::kStoreFile:
+    case v1::SideRequest::kOpenStore:
+    case v1::SideRequest::kCloseStore: {
+      const int taken = std::exchange(closer.fd, -1);
+      if (absl::Status s = Store(sid, request, taken, out); !s.ok()) SetError(out.reply, s);
       break;
     }
     case v1::SideRequest::kDetach: {

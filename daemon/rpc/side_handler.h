@@ -12,6 +12,7 @@
 
 #include "daemon/jobs/registry.h"
 #include "daemon/optimizer/registrar.h"
+#include "daemon/stores/store_manager.h"
 #include "proto/tsd.pb.h"
 
 namespace tsd {
@@ -33,9 +34,14 @@ struct SideOutcome {
   const char* close_reason = "";
 };
 
+// Writes a store's status as the protocol shows it (ListStores and open_store's reply).
+void DescribeStore(v1::StoreInfo& info, const stores::StoreStatus& status);
+
 class SideHandler final {
  public:
-  explicit SideHandler(Registry& registry) : registry_(registry), registrar_(registry) {}
+  // `stores` may be null: store requests are then refused (UNIMPLEMENTED).
+  explicit SideHandler(Registry& registry, stores::StoreManager* stores = nullptr)
+      : registry_(registry), registrar_(registry), stores_(stores) {}
 
   // Serves `request` for `caller`; `fd` (or -1) is a descriptor that came with it, which this
   // takes (it is closed unless the request is a state request that uses it).
@@ -45,9 +51,12 @@ class SideHandler final {
   SideOutcome Attach(const SideCaller& caller, const v1::SideAttach& attach);
   // Save or load the job's optimizer state through `fd`, a file the trainer opened.
   absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd);
+  // store_file, open_store and close_store (side_handler_stores.cc); takes `fd`.
+  absl::Status Store(uint64_t session_id, const v1::SideRequest& request, int fd, SideOutcome& out);
 
   Registry& registry_;
   Registrar registrar_;
+  stores::StoreManager* const stores_;
 };
 
 }  // namespace tsd

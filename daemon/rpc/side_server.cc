@@ -30,8 +30,8 @@ constexpr uint64_t kWakeKey = 1;
 constexpr uint32_t kConnEvents = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
 }  // namespace
 
-SideServer::SideServer(Registry& registry, int workers)
-    : registry_(registry), handler_(registry), workers_(workers) {}
+SideServer::SideServer(Registry& registry, int workers, stores::StoreManager* stores)
+    : registry_(registry), handler_(registry, stores), workers_(workers) {}
 
 SideServer::~SideServer() {
   Shutdown("tsd is shutting down");

@@ -33,7 +33,8 @@ namespace tsd {
 class SideServer final {
  public:
   // `workers`: threads that serve requests.
-  explicit SideServer(Registry& registry, int workers = 4);
+  // `stores` (may be null) serves the store requests.
+  explicit SideServer(Registry& registry, int workers = 4, stores::StoreManager* stores = nullptr);
   ~SideServer();
   SideServer(const SideServer&) = delete;
   SideServer& operator=(const SideServer&) = delete;

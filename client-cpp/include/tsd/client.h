@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tsd/store.h"
 
 namespace tsd {
 
@@ -149,6 +150,20 @@ class Client final {
   // the layout and the bytes it would charge, allocating nothing. Needs no session.
   absl::StatusOr<OptimizerLayout> PlanOptimizer(const OptimizerSpec& spec);
   absl::StatusOr<std::vector<JobStatus>> Jobs();
+
+  // --- Weight stores (tsd/store.h, docs/stores.md) ---
+  // Opens the store of the safetensors checkpoint `files` (opened here, read-only, and sent to
+  // tsd as descriptors) in the form `spec` asks for: tsd finds it, or builds it, and the job
+  // counts among its users until CloseStore or its release. The view maps it read-only.
+  absl::StatusOr<std::shared_ptr<StoreView>> OpenStore(const std::vector<std::string>& files,
+                                                       const StoreSpec& spec);
+  // The same with descriptors this process opened (they stay open and owned by the caller).
+  absl::StatusOr<std::shared_ptr<StoreView>> OpenStoreFds(const std::vector<int>& fds,
+                                                          const StoreSpec& spec);
+  // The job stops using store `store_id` (the store is kept warm for store_keep, then dropped).
+  absl::Status CloseStore(uint64_t store_id);
+  // Every complete store of the node (metadata only; needs no session).
+  absl::StatusOr<std::vector<StoreStatus>> Stores();
 
   // How long a request of the session waits for its reply (default 120 s; saving and loading
   // optimizer state wait at least an hour). A request that times out ends the session.

@@ -138,7 +138,8 @@ def _random_like(name: str, p: torch.Tensor, dtype: torch.dtype, std: float, gen
 def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype: Optional[torch.dtype] = None,
                random_weights: bool = False, block_size: int = 64, budget: Optional[Budget] = None,
                budget_bytes: Optional[int] = None, ram_fraction: float = 0.9, host: Any = None,
-               progress: Optional[bool] = None, **config_overrides: Any) -> nn.Module:
+               progress: Optional[bool] = None, store: Union[bool, Any] = False,
+               **config_overrides: Any) -> nn.Module:
     """Loads the causal LM in `path` (a directory with config.json and .safetensors files, single
     or sharded with model.safetensors.index.json) for LoRA training.
 
@@ -154,10 +155,17 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     smaller model has no place for are then skipped. host: a trainstream.memory.HostArena to keep
     the quantized weights in tsd memory (default: process memory). progress: tensors and bytes on
     stderr (default: when stderr is a terminal).
+    store: True (a new `trainstream.connect()` session, job "load-model-<pid>") or an attached
+    `trainstream.Client`: the weights come from a tsd weight store of the checkpoint's files
+    (docs/stores.md), shared by every process on the node that loads the same checkpoint the same
+    way; the first load makes tsd build it, the next ones read no tensor data. Quantized weights
+    then live in the store (read-only, never copied); other tensors are copied out of it. The
+    model keeps the store (and its client) alive as `_ts_store`.
 
     The returned model (in eval mode, like from_pretrained's) has `_ts_load_info`: the chosen
     "quantize" (None for none), "quantized_tensors", "prequantized_tensors", "tensors",
-    "bytes_read". Raises ValueError / FileNotFoundError for an unknown quantize or block size, a
+    "bytes_read" (and with a store, "store": its id, "store_built": whether this load built it).
+    Raises ValueError / FileNotFoundError for an unknown quantize or block size, a
     directory without safetensors, a truncated or corrupt shard (named, with its tensor), or
     tensors that do not match the config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -264,6 +272,18 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     else:
         read = list(expected)
 
+    st = None
+    if store is not False and store is not None:
+        if random_weights:
+            raise ValueError("store= maps the weights of a checkpoint; random_weights=True reads none")
+        if prequant:
+            raise ValueError(f"{path} is stored quantized: a tsd store builds from full-precision checkpoints; "
+                             f"load it without store=")
+        from ..client import connect
+        client = connect(job=f"load-model-{os.getpid()}") if store is True else store
+        wanted = [(n, kind is not None and n.endswith(".weight") and n.rpartition(".")[0] in targets) for n in read]
+        st = client.open_store(shards, format=kind or "none", block_size=block_size, tensors=wanted)
+
     info: dict[str, Any] = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0,
                             "bytes_read": 0, "host": "tsd" if host is not None else "process"}
     bar = _Progress(len(read), sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in read) if keys else 0,
@@ -276,6 +296,18 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
             module_name = name.rpartition(".")[0]
             if random_weights:
                 t = _random_like(name, expected[name], dtype, std, gen)
+                nbytes = 0
+            elif st is not None:
+                if st.tensors[name].quantized:
+                    codes, absmax = st.quantized(name)
+                    assert kind is not None
+                    _place_quantized(model, module_name,
+                                     QuantizedWeight(codes, absmax, kind, block_size, st.tensors[name].shape, dtype))
+                    info["quantized_tensors"] += 1
+                    info["tensors"] += 1
+                    bar.step(0)
+                    continue
+                t = st.tensor(name, copy=True)  # parameters may be trained or cast in place
                 nbytes = 0
             elif name in prequant:
                 q = _read_prequantized(name, keys, handles, expected[name], dtype, None if kind is None else host)
@@ -317,6 +349,11 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
         for f in handles.values():
             f.__exit__(None, None, None)
         bar.done()
+    if st is not None:
+        info["store"], info["store_built"] = st.id, st.built
+        if st.built:
+            info["bytes_read"] = sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in keys)
+        setattr(model, "_ts_store", st)
     if tied:
         model.tie_weights()
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
