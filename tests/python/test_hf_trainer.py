@@ -122,6 +122,7 @@ def test_losses_equal_stock_trainer(tsd, tmp_path, checkpoints, device, arch, lo
     """Clipping (0.1 bites here) and 2-step accumulation in tsd give the stock Trainer's losses,
     grad norms and weights; with LoRA only the adapters are trained."""
     ref, ts, ref_model, model = compare(tsd, tmp_path, checkpoints[arch], device, lora)
+    assert next(model.parameters()).device.type == device  # passed on the CPU; on CUDA, moved there
     assert grad_norms(ts) == pytest.approx(grad_norms(ref), rel=1e-4)
     assert any(g > 0.1 for g in grad_norms(ts))  # the clipping changed something
     assert max_diff(ref_model, model) < 1e-5
@@ -134,8 +135,10 @@ def test_losses_equal_stock_trainer(tsd, tmp_path, checkpoints, device, arch, lo
                 assert torch.equal(p.detach().cpu(), base.get_parameter(n.replace(".base_layer", ""))), n
 
 
-def test_gradient_checkpointing_and_bf16(tsd, tmp_path, checkpoints):
-    compare(tsd, tmp_path, checkpoints["llama"], gradient_checkpointing=True, bf16=True, tol=2e-3)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_gradient_checkpointing_and_bf16(tsd, tmp_path, checkpoints, device):
+    """bf16 autocast (args.bf16) and gradient checkpointing: the gradients still reach tsd."""
+    compare(tsd, tmp_path, checkpoints["llama"], device, gradient_checkpointing=True, bf16=True, tol=2e-3)
 
 
 def test_events_and_grad_norm_in_the_logs(tsd, tmp_path, checkpoints):
@@ -148,13 +151,14 @@ def test_events_and_grad_norm_in_the_logs(tsd, tmp_path, checkpoints):
     assert grad_norms(no_clip) == []  # tsd computes no norm without clipping, and Trainer's .grad is empty
 
 
-def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, device):
     """save_steps=3: tsd streams its state into the checkpoint; a new process-like run resumed from
     it gives steps 4-6 and the final weights bit for bit (seeded sampler, no dropout)."""
     from safetensors import safe_open
     path = checkpoints["llama"]
     whole = load(path)
-    a = run_ts(tsd, whole, targs(tmp_path / "a", save_strategy="steps", save_steps=3))
+    a = run_ts(tsd, whole, targs(tmp_path / "a", device, save_strategy="steps", save_steps=3))
     ckpt = tmp_path / "a" / "checkpoint-3"
     assert (ckpt / STATE_FILE).is_file() and not (ckpt / "optimizer.pt").exists()
     meta = json.loads((ckpt / STATE_META_FILE).read_text())
@@ -165,7 +169,7 @@ def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints):
         assert len(list(f.keys())) == 4 * n_trained
         assert f.get_tensor("b0.step").tolist() == [3]
     resumed = load(path)
-    b = run_ts(tsd, resumed, targs(tmp_path / "b"), resume=str(ckpt))
+    b = run_ts(tsd, resumed, targs(tmp_path / "b", device), resume=str(ckpt))
     assert losses(b) == losses(a)  # the first 3 come from the checkpoint's trainer state, the last 3 are new
     assert grad_norms(b) == grad_norms(a)
     assert max_diff(whole, resumed) == 0.0

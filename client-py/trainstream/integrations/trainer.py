@@ -172,13 +172,13 @@ def _load_state(opt: TsdAdamW, path: str) -> None:
         s = opt._session
         s.idle()
         s.handle.load_state(fd)
+        for ps in s.params:
+            p = ps.param.detach()
+            if not torch.equal(ps.master.view(p.shape).to(p.dtype), p.cpu()):
+                s.sync_master(ps)
+            ps.version = ps.param._version
     finally:
         os.close(fd)
-    for ps in s.params:
-        p = ps.param.detach()
-        if not torch.equal(ps.master.view(p.shape).to(p.dtype), p.cpu()):
-            s.sync_master(ps)
-        ps.version = ps.param._version
 
 
 class TrainStreamMixin(_Base):
@@ -219,7 +219,7 @@ class TrainStreamMixin(_Base):
         """torch.optim.AdamW as args describe it, with Trainer's decay/no-decay groups; wrapped
         into tsd once accelerate has prepared it (create_scheduler)."""
         if self.optimizer is None:
-            opt_model = self.model if model is None else model
+            opt_model = self._trained_model() if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
@@ -252,12 +252,17 @@ class TrainStreamMixin(_Base):
         opts["max_grad_norm"] = float(self.args.max_grad_norm or 0.0) or None
         opts["accumulation_steps"] = int(self.args.gradient_accumulation_steps)
         device = self.args.device
-        _, wrapped = wrap(self.model, inner, device=device, **opts)
-        if holder is inner:
-            self.optimizer = wrapped
-        else:
+        _, wrapped = wrap(self._trained_model(), inner, device=device, **opts)
+        if isinstance(holder, AcceleratedOptimizer):
             holder.optimizer = wrapped
+        else:
+            self.optimizer = wrapped
         self._tsd_events_logged = 0
+
+    def _trained_model(self) -> nn.Module:
+        if self.model is None:
+            raise ValueError("TrainStreamTrainer needs a model (model= or model_init=)")
+        return self.model
 
     @property
     def trainstream_optimizer(self) -> Optional[TsdAdamW]:
@@ -306,7 +311,7 @@ class TrainStreamMixin(_Base):
     # ---- checkpoints
     def _layout(self, opt: TsdAdamW) -> list[list[Any]]:
         """[name, numel] of each bucket (the order of tsd's state file)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in self._trained_model().named_parameters()}
         return [[names.get(id(ps.param), f"#{ps.index}"), ps.param.numel()] for ps in opt._session.params]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -323,8 +328,9 @@ class TrainStreamMixin(_Base):
                 "buckets": self._layout(opt)}
         with open(os.path.join(output_dir, STATE_META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
-        with warnings.catch_warnings(record=True):
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is None:
@@ -355,7 +361,7 @@ class TrainStreamMixin(_Base):
             for k, v in saved.items():
                 group[k] = tuple(v) if k == "betas" else v
         sched = os.path.join(checkpoint, _SCHEDULER_FILE)
-        if os.path.isfile(sched):
+        if os.path.isfile(sched) and self.lr_scheduler is not None:
             with warnings.catch_warnings(record=True):
                 self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
 
