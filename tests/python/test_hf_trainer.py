@@ -20,7 +20,8 @@ from trainstream.integrations.huggingface import TrainStreamMixin, TrainStreamTr
 from trainstream.integrations.trainer import STATE_FILE, STATE_META_FILE  # noqa: E402
 
 VOCAB, SEQ = 96, 16
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required"))
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+CUDA = pytest.param("cuda", marks=NO_CUDA)
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
@@ -171,14 +172,16 @@ def test_events_and_grad_norm_in_the_logs(tsd, tmp_path, checkpoints):
     assert grad_norms(no_clip) == []  # tsd computes no norm without clipping, and Trainer's .grad is empty
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, device):
+@pytest.mark.parametrize("device,options", [("cpu", {}), ("cpu", {"param_dtype": torch.bfloat16}),
+                                            pytest.param("cuda", {}, marks=NO_CUDA)])
+def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, device, options):
     """save_steps=3: tsd streams its state into the checkpoint; a new process-like run resumed from
-    it gives steps 4-6 and the final weights bit for bit (seeded sampler, no dropout)."""
+    it gives steps 4-6 and the final weights bit for bit (seeded sampler, no dropout). With bf16
+    working copies the checkpoint's model is bf16 and the fp32 masters come from tsd's file."""
     from safetensors import safe_open
     path = checkpoints["llama"]
     whole = load(path)
-    a = run_ts(tsd, whole, targs(tmp_path / "a", device, save_strategy="steps", save_steps=3))
+    a = run_ts(tsd, whole, targs(tmp_path / "a", device, save_strategy="steps", save_steps=3), **options)
     ckpt = tmp_path / "a" / "checkpoint-3"
     assert (ckpt / STATE_FILE).is_file() and not (ckpt / "optimizer.pt").exists()
     meta = json.loads((ckpt / STATE_META_FILE).read_text())
@@ -189,7 +192,7 @@ def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, dev
         assert len(list(f.keys())) == 4 * n_trained
         assert f.get_tensor("b0.step").tolist() == [3]
     resumed = load(path)
-    b = run_ts(tsd, resumed, targs(tmp_path / "b", device), resume=str(ckpt))
+    b = run_ts(tsd, resumed, targs(tmp_path / "b", device), resume=str(ckpt), **options)
     assert losses(b) == losses(a)  # the first 3 come from the checkpoint's trainer state, the last 3 are new
     assert grad_norms(b) == grad_norms(a)
     assert max_diff(whole, resumed) == 0.0
