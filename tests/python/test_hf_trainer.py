@@ -280,6 +280,13 @@ def test_refuses_several_processes(tmp_path, checkpoints, monkeypatch):
         TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
 
 
+def test_refuses_several_gpus(tmp_path, checkpoints, monkeypatch):
+    args = targs(tmp_path)
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what 2 visible GPUs give
+    with pytest.raises(NotImplementedError, match="CUDA_VISIBLE_DEVICES"):
+        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
+
+
 def test_refuses_options_that_come_from_the_args(tmp_path, checkpoints):
     refused(tmp_path, checkpoints, "max_grad_norm=", ValueError, trainstream_opts={"max_grad_norm": 1.0})
     refused(tmp_path, checkpoints, "gradient_accumulation_steps=", ValueError,
