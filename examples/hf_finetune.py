@@ -10,7 +10,8 @@ README, tokenized (or taken as bytes without a tokenizer).
                                    [--bf16] [--gradient-checkpointing] [--compare] [--socket PATH]
 
 With --compare the stock Trainer trains the same weights on the same batches first; the losses
-are printed side by side with the step times and the peak memory of each, and PASS/FAIL says
+are printed side by side with the step times and the peak memory of each (each run in a process
+of its own: peak VRAM on CUDA, the process's peak RSS on the CPU), and PASS/FAIL says
 whether TrainStreamTrainer's losses equal the stock ones (within 2e-4, 2e-3 with --bf16).
 tsd must be running (scripts/run-main.sh starts one); the socket defaults to $TSD_SOCKET, then
 tsd's default path.
@@ -18,6 +19,8 @@ tsd's default path.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import resource
 import statistics
@@ -98,6 +101,9 @@ def load(model_dir: str, lora: bool) -> torch.nn.Module:
 
 
 def run(kind: str, opts, model_dir: str, data, out: str) -> dict:
+    """One training run, in a process of its own (see in_child): its peak memory is its own."""
+    if opts.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model = load(model_dir, opts.lora)
     args = TrainingArguments(output_dir=out, use_cpu=opts.device == "cpu", per_device_train_batch_size=opts.batch,
                              gradient_accumulation_steps=opts.accumulation, max_steps=opts.steps,
@@ -108,7 +114,6 @@ def run(kind: str, opts, model_dir: str, data, out: str) -> dict:
     if opts.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if kind == "stock":
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
     else:
@@ -118,7 +123,7 @@ def run(kind: str, opts, model_dir: str, data, out: str) -> dict:
     trainer.train()
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "times": timer.times,
               "peak": torch.cuda.max_memory_allocated() if opts.device == "cuda" else None,
-              "rss_growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0,
+              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "events": [h["trainstream"] for h in trainer.state.log_history if "trainstream" in h]}
     session = trainstream.unwrap_session(model)
     if session is not None:
@@ -127,10 +132,17 @@ def run(kind: str, opts, model_dir: str, data, out: str) -> dict:
     return result
 
 
+def in_child(fn, *args):
+    """fn(*args) in a fresh process: each run's peak RSS and VRAM are then its own (a process's
+    peak never goes down, and freed memory is not always given back)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def describe(name: str, r: dict, device: str) -> str:
     steady = r["times"][1:] or r["times"]
     mem = (f"peak VRAM {format_bytes(r['peak'])}" if r["peak"] is not None
-           else f"peak RSS grew by {format_bytes(max(r['rss_growth'], 0))}")
+           else f"peak RSS {format_bytes(r['peak_rss'])}")
     tsd = f", optimizer state in tsd {format_bytes(r['in_tsd'])}" if "in_tsd" in r else ""
     return f"{name:>14}: median step {statistics.median(steady) * 1e3:8.1f} ms on {device}, {mem}{tsd}"
 
@@ -153,8 +165,6 @@ def main() -> int:
     opts = ap.parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available here; pass --device cpu")
-    if opts.device == "cpu":
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = opts.model or tiny_llama(os.path.join(tmp, "tiny-llama"))
         vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
@@ -164,8 +174,8 @@ def main() -> int:
               f"{opts.steps} steps of {opts.accumulation} x {opts.batch} x {opts.seq} tokens on {opts.device}"
               f"{', bf16' if opts.bf16 else ''}{', gradient checkpointing' if opts.gradient_checkpointing else ''}; "
               f"{len(data)} windows of text ({'repeated' if need > len(data) else 'enough'} for {need})")
-        stock = run("stock", opts, model_dir, data, os.path.join(tmp, "stock")) if opts.compare else None
-        ts = run("trainstream", opts, model_dir, data, os.path.join(tmp, "ts"))
+        stock = in_child(run, "stock", opts, model_dir, data, os.path.join(tmp, "stock")) if opts.compare else None
+        ts = in_child(run, "trainstream", opts, model_dir, data, os.path.join(tmp, "ts"))
     for e in ts["events"]:
         print(f"tsd: {e}")
     print(f"\n{'step':>4} {'TrainStream':>12}" + (f" {'stock':>12} {'|diff|':>9}" if stock else ""))
