@@ -103,6 +103,7 @@ def run_ts(tsd, model, args, cls=TrainStreamTrainer, resume=None, data=None, **o
         trainer.train(resume_from_checkpoint=resume)
         assert trainer.trainstream_optimizer is not None and trainer.trainstream_optimizer.offloading
         trainer.tsd_trained = {id(ps.param) for ps in trainer.trainstream_session.params}
+        trainer.tsd_events = list(trainer.trainstream_session.events)
     finally:
         if trainstream.unwrap_session(model) is not None:
             trainstream.unwrap(model)
@@ -166,7 +167,9 @@ def test_events_and_grad_norm_in_the_logs(tsd, tmp_path, checkpoints):
     model = load(checkpoints["qwen2"])
     ts = run_ts(tsd, model, targs(tmp_path, max_steps=2))
     events = [h["trainstream"] for h in ts.state.log_history if "trainstream" in h]
-    assert events and events[0].startswith("wrap:") and "buckets" in events[0]
+    lines = [line for e in events for line in e.split("\n")]  # each event once, new ones joined by newlines
+    assert any(line.startswith("wrap:") and "buckets" in line for line in lines)
+    assert lines == ts.tsd_events  # every event of the session, each once, in order
     assert len(grad_norms(ts)) == 2 and all(g > 0 for g in grad_norms(ts))
     no_clip = run_ts(tsd, load(checkpoints["qwen2"]), targs(tmp_path / "nc", max_steps=2, max_grad_norm=0.0))
     assert grad_norms(no_clip) == []  # tsd computes no norm without clipping, and Trainer's .grad is empty
