@@ -70,6 +70,16 @@ class TsdAdamW(torch.optim.Optimizer):
             maybe_switch_to_stock(self)
         return loss
 
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global norm of the last step's gradients before clipping, as tsd computed it to clip
+        them (what torch.nn.utils.clip_grad_norm_ returns). None without max_grad_norm (no norm is
+        computed), before the first step, and after offload="auto" switched to stock AdamW."""
+        s = self._session
+        if self._inner is not None or s.max_grad_norm <= 0 or s.steps == 0 or s.handle is None:
+            return None
+        return float(s.handle.last_grad_norm)
+
     def synchronize(self) -> None:
         """Waits until the daemon has applied every delivered update."""
         if self._inner is None:

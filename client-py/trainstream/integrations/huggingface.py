@@ -28,8 +28,9 @@ from ..quant.linear import QuantizedLinear
 from ..quant.model import quantizable_linears
 from ..quant.weight import QuantizedWeight
 from ..units import format_bytes
+from .trainer import TrainStreamMixin, TrainStreamTrainer
 
-__all__ = ["load_model", "choose_quantization"]
+__all__ = ["load_model", "choose_quantization", "TrainStreamTrainer", "TrainStreamMixin"]
 
 QUANTIZE = ("auto", "none", "int8", "nf4")
 _QUANT_SUFFIXES = (".quant_state.bitsandbytes__nf4", ".quant_state.trainstream__int8")

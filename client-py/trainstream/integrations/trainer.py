@@ -1,0 +1,373 @@
+"""`TrainStreamTrainer`: Hugging Face's `transformers.Trainer` with its optimizer in tsd.
+
+    from trainstream.integrations.huggingface import TrainStreamTrainer
+    trainer = TrainStreamTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                                 trainstream={"moment_dtype": "bfloat16"})   # wrap() options
+    trainer.train()
+
+The integration is `TrainStreamMixin`, a few overrides of Trainer's hooks, so it also composes
+with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, SFTTrainer)`):
+
+* `create_optimizer` builds the `torch.optim.AdamW` that `args` describes (`optim`, learning
+  rate, betas, eps, and weight decay with Trainer's own decay/no-decay grouping); settings tsd
+  cannot run are refused when the trainer is built, before anything is allocated.
+* `create_scheduler`, which Trainer calls once accelerate has prepared the model and optimizer,
+  first hands the optimizer to `trainstream.wrap()` (so accelerate never round-trips the
+  daemon's state), then builds the schedule on it.
+* `args.max_grad_norm` and `args.gradient_accumulation_steps` become wrap()'s `max_grad_norm` and
+  `accumulation_steps`: gradients are streamed into tsd as backward produces them, so Trainer's
+  own clipping of `.grad` is turned off, and the logged `grad_norm` is the norm tsd clipped by.
+* Checkpoints: tsd writes its optimizer state (safetensors) straight into
+  `trainstream_optimizer.safetensors`, a file the trainer opened in the checkpoint directory, next
+  to `trainstream_optimizer.json` (the hyperparameters and the layout); `resume_from_checkpoint`
+  streams it back. A stock Trainer checkpoint (`optimizer.pt`) is loaded too.
+* tsd's events (`Session.events`: the plan, the moment dtype, activation paging, the switch to
+  stock AdamW) go into Trainer's logs under the key "trainstream".
+
+The hooks used (`_clip_grad_norm`, `_get_grad_norm`, `_maybe_log_save_evaluate`,
+`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) are those of transformers 5.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import TYPE_CHECKING, Any, Optional, cast
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+from ..engine import Session
+from ..optim import TsdAdamW
+from ..wiring import OPTIONS, unwrap_session, wrap
+
+__all__ = ["TrainStreamMixin", "TrainStreamTrainer", "STATE_FILE", "STATE_META_FILE"]
+
+logger = hf_logging.get_logger(__name__)
+
+STATE_FILE = "trainstream_optimizer.safetensors"  # tsd's optimizer state in a checkpoint directory
+STATE_META_FILE = "trainstream_optimizer.json"    # its hyperparameters and layout
+_SCHEDULER_FILE = "scheduler.pt"                   # transformers' name for the schedule's state
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")  # args.optim values that are torch's AdamW
+_FROM_ARGS = {"max_grad_norm": "max_grad_norm", "accumulation_steps": "gradient_accumulation_steps"}
+_HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate", "_save_optimizer_and_scheduler",
+          "_load_optimizer_and_scheduler")
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "initial_lr")  # saved beside the state
+
+if TYPE_CHECKING:
+    _Base = Trainer
+else:
+    _Base = object
+
+
+def _optim_name(args: TrainingArguments) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+def _parse_optim_args(text: Optional[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if item:
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
+
+
+def check_training_args(args: TrainingArguments) -> None:
+    """Refuses, with what to do instead, the settings tsd cannot train with. Changes nothing."""
+    world = int(getattr(args, "world_size", 1) or 1)
+    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 or env_world > 1:
+        raise NotImplementedError(
+            f"TrainStreamTrainer runs in one process, and this run has {max(world, env_world)} (torchrun / accelerate "
+            f"launch / a distributed launcher): data parallel training through tsd is not implemented yet. Run one "
+            f"process (python train.py), or use the stock Trainer for multi-process runs")
+    if int(getattr(args, "n_gpu", 0) or 0) > 1:
+        raise NotImplementedError(
+            f"TrainStreamTrainer trains on one GPU, and {args.n_gpu} are visible (Trainer would use "
+            f"nn.DataParallel): set CUDA_VISIBLE_DEVICES to one GPU")
+    if args.fp16:
+        raise NotImplementedError(
+            "fp16=True trains with a GradScaler, which inspects and unscales .grad and skips steps, but under tsd the "
+            "gradients are streamed out of .grad during backward and the update runs in the daemon: use bf16=True "
+            "(no scaler), or fp32")
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        raise NotImplementedError("TrainStreamTrainer does not combine with DeepSpeed or FSDP: tsd holds the optimizer "
+                                  "state itself; remove deepspeed= / fsdp= from the TrainingArguments")
+    name = _optim_name(args)
+    if name not in ADAMW_OPTIMS:
+        raise ValueError(f"args.optim={name!r}: tsd runs AdamW, so TrainStreamTrainer takes optim='adamw_torch' (or "
+                         f"'adamw_torch_fused', the same update); use the stock Trainer for other optimizers")
+    extra = _parse_optim_args(getattr(args, "optim_args", None))
+    if extra.get("amsgrad", "false").lower() not in ("false", "0"):
+        raise NotImplementedError("AMSGrad is not supported by tsd's AdamW: remove amsgrad from args.optim_args")
+    if extra:
+        raise ValueError(f"args.optim_args {sorted(extra)} are not used by AdamW under TrainStreamTrainer; its "
+                         f"settings are learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an optimizer passed to the trainer that tsd cannot run."""
+    if isinstance(optimizer, TsdAdamW):
+        return
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise TypeError(f"TrainStreamTrainer runs AdamW in tsd; the optimizer passed is {type(optimizer).__name__}. "
+                        f"Pass torch.optim.AdamW, or no optimizer (args.optim='adamw_torch' builds it)")
+    if any(g.get("amsgrad", False) for g in optimizer.param_groups):
+        raise NotImplementedError("AMSGrad is not supported by tsd's AdamW: build the optimizer with amsgrad=False")
+    if any(g.get("maximize", False) for g in optimizer.param_groups):
+        raise NotImplementedError("maximize=True is not supported by tsd's AdamW: negate the loss instead")
+
+
+def check_trainstream_options(options: Any) -> dict[str, Any]:
+    """The wrap() options given as `trainstream=`: a dict of wrap()'s options, without the two
+    that come from the TrainingArguments."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"trainstream= takes a dict of trainstream.wrap() options, not {type(options).__name__}")
+    taken = sorted(set(options) & set(_FROM_ARGS))
+    if taken:
+        raise ValueError(f"trainstream={{...}} sets {taken}, which TrainStreamTrainer takes from the TrainingArguments: "
+                         f"set " + ", ".join(f"{_FROM_ARGS[k]}=" for k in taken) + " there instead")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"trainstream={{...}} has unknown options {unknown}; trainstream.wrap() takes "
+                        f"{sorted(set(OPTIONS) - set(_FROM_ARGS))}")
+    return dict(options)
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's wrapper (or the optimizer itself)."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _save_state(opt: TsdAdamW, path: str) -> int:
+    """tsd writes the optimizer's state into `path`, a file opened here, directly (the trainer's
+    memory never holds it). Returns its size."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        save = getattr(opt, "save_state", None)  # TsdAdamW's streaming save, where this version has one
+        if callable(save):
+            return int(save(fd))
+        s = opt._session
+        s.idle()
+        return int(s.handle.save_state(fd))
+    finally:
+        os.close(fd)
+
+
+def _load_state(opt: TsdAdamW, path: str) -> None:
+    """tsd reads the optimizer's state from `path` (checked against its layout before anything
+    changes). A master that does not round to the model's parameter is taken from the parameter."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        load = getattr(opt, "load_state", None)  # TsdAdamW's streaming load, where this version has one
+        if callable(load):
+            load(fd)
+            return
+        s = opt._session
+        s.idle()
+        s.handle.load_state(fd)
+        for ps in s.params:
+            p = ps.param.detach()
+            if not torch.equal(ps.master.view(p.shape).to(p.dtype), p.cpu()):
+                s.sync_master(ps)
+            ps.version = ps.param._version
+    finally:
+        os.close(fd)
+
+
+class TrainStreamMixin(_Base):
+    """The TrainStream integration for any `transformers.Trainer` subclass: put it first,
+    `class MyTrainer(TrainStreamMixin, SomeTrainer)`, and pass `trainstream={...}` (wrap()
+    options). See the module's docstring for what each override does."""
+
+    def __init__(self, *args: Any, trainstream: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+        missing = [h for h in _HOOKS if not hasattr(Trainer, h)]
+        if missing:
+            import transformers
+            raise RuntimeError(f"this transformers ({transformers.__version__}) has no Trainer.{', '.join(missing)}: "
+                               f"TrainStreamTrainer is written against transformers 5 (5.17 is tested)")
+        options = check_trainstream_options(trainstream)
+        # Refused before Trainer builds anything (it moves the model, starts accelerate).
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(given, TrainingArguments):
+            check_training_args(given)
+        optimizers = kwargs.get("optimizers")
+        if isinstance(optimizers, tuple) and optimizers and optimizers[0] is not None:
+            check_optimizer(_inner(optimizers[0]))
+        super().__init__(*args, **kwargs)
+        check_training_args(self.args)
+        if self.optimizer is not None:
+            check_optimizer(_inner(self.optimizer))
+        cls_kwargs = getattr(self, "optimizer_cls_and_kwargs", None)
+        if cls_kwargs is not None:
+            cls, kw = cls_kwargs
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.AdamW)) or kw.get("amsgrad"):
+                raise TypeError(f"optimizer_cls_and_kwargs names {getattr(cls, '__name__', cls)} {kw}: "
+                                f"TrainStreamTrainer runs torch.optim.AdamW without amsgrad in tsd")
+        # The Trainer's default is offload=True: checkpoints and grad_norm are then always tsd's.
+        self.trainstream_options: dict[str, Any] = {"offload": True, **options}
+        self._tsd_events_logged = 0
+
+    # ---- the optimizer
+    def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+        """torch.optim.AdamW as args describe it, with Trainer's decay/no-decay groups; wrapped
+        into tsd once accelerate has prepared it (create_scheduler)."""
+        if self.optimizer is None:
+            opt_model = self._trained_model() if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            kwargs: dict[str, Any] = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
+                                      "eps": self.args.adam_epsilon}
+            cls_kwargs = getattr(self, "optimizer_cls_and_kwargs", None)
+            cls: type = torch.optim.AdamW
+            if cls_kwargs is not None:
+                cls, extra = cls_kwargs
+                kwargs.update(extra)
+            kwargs.pop("fused", None)  # the update runs in tsd: torch's kernels are never used
+            kwargs.pop("foreach", None)
+            self.optimizer = cls(groups, **kwargs)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: Optional[torch.optim.Optimizer] = None) -> torch.optim.lr_scheduler.LRScheduler:
+        if optimizer is None:
+            self._wrap_into_tsd()
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _wrap_into_tsd(self) -> None:
+        holder = self.optimizer
+        inner = _inner(holder)
+        if isinstance(inner, TsdAdamW):
+            return
+        check_optimizer(inner)
+        opts = dict(self.trainstream_options)
+        opts["max_grad_norm"] = float(self.args.max_grad_norm or 0.0) or None
+        opts["accumulation_steps"] = int(self.args.gradient_accumulation_steps)
+        device = self.args.device
+        _, wrapped = wrap(self._trained_model(), inner, device=device, **opts)
+        if isinstance(holder, AcceleratedOptimizer):
+            holder.optimizer = wrapped
+        else:
+            self.optimizer = wrapped
+        self._tsd_events_logged = 0
+
+    def _trained_model(self) -> nn.Module:
+        if self.model is None:
+            raise ValueError("TrainStreamTrainer needs a model (model= or model_init=)")
+        return self.model
+
+    @property
+    def trainstream_optimizer(self) -> Optional[TsdAdamW]:
+        """The TsdAdamW the trainer steps (None before training has started)."""
+        inner = _inner(self.optimizer)
+        return inner if isinstance(inner, TsdAdamW) else None
+
+    @property
+    def trainstream_session(self) -> Optional[Session]:
+        """The wrapped model's tsd session (None before training has started)."""
+        return unwrap_session(self.model) if self.model is not None else None
+
+    def _offloading(self) -> Optional[TsdAdamW]:
+        opt = self.trainstream_optimizer
+        return opt if opt is not None and opt.offloading else None
+
+    # ---- clipping and grad_norm: tsd's
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        # tsd clips inside the update (or, after offload="auto" switched to stock AdamW, TsdAdamW.step does).
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self._offloading() is not None:
+            return None  # known after the step: _maybe_log_save_evaluate takes tsd's
+        return super()._get_grad_norm(model, grad_norm)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, model: nn.Module, trial: Any,
+                                 epoch: Any, ignore_keys_for_eval: Any, start_time: float,
+                                 learning_rate: Optional[float] = None) -> None:
+        opt = self._offloading()
+        if opt is not None:
+            grad_norm = opt.last_grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                         learning_rate=learning_rate)
+
+    def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
+        s = self.trainstream_session
+        if s is not None and len(s.events) > self._tsd_events_logged:
+            new = s.events[self._tsd_events_logged:]
+            self._tsd_events_logged = len(s.events)
+            for e in new:
+                logger.info("trainstream: %s", e)
+            cast(dict[str, Any], logs)["trainstream"] = "\n".join(new)
+        super().log(logs, start_time)
+
+    # ---- checkpoints
+    def _layout(self, opt: TsdAdamW) -> list[list[Any]]:
+        """[name, numel] of each bucket (the order of tsd's state file)."""
+        names = {id(p): n for n, p in self._trained_model().named_parameters()}
+        return [[names.get(id(ps.param), f"#{ps.index}"), ps.param.numel()] for ps in opt._session.params]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = self._offloading()
+        if opt is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:
+            return
+        nbytes = _save_state(opt, os.path.join(output_dir, STATE_FILE))
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in _GROUP_KEYS}
+                  for g in opt.param_groups]
+        meta = {"format": "trainstream.trainer.v1", "state_file": STATE_FILE, "state_bytes": nbytes,
+                "moment_dtype": opt.moment_dtype, "steps": opt._session.steps, "param_groups": groups,
+                "buckets": self._layout(opt)}
+        with open(os.path.join(output_dir, STATE_META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        state_path = os.path.join(checkpoint, STATE_FILE)
+        opt = self._offloading()
+        if opt is None or not os.path.isfile(state_path):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # optimizer.pt: a stock Trainer's checkpoint
+        meta_path = os.path.join(checkpoint, STATE_META_FILE)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            groups, buckets, moment_dtype = meta["param_groups"], meta["buckets"], meta["moment_dtype"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{checkpoint} has {STATE_FILE} but no readable {STATE_META_FILE} ({e}): the checkpoint is "
+                             f"incomplete; resume from another one") from None
+        if moment_dtype != opt.moment_dtype:
+            raise ValueError(f"{checkpoint} holds {moment_dtype} moments and this run chose {opt.moment_dtype}: pass "
+                             f"trainstream={{'moment_dtype': {moment_dtype!r}}} to resume from it")
+        mine = self._layout(opt)
+        if [list(b) for b in buckets] != mine or len(groups) != len(opt.param_groups):
+            diff = next((f"{a} there, {b} here" for a, b in zip(buckets, mine) if list(a) != b),
+                        f"{len(buckets)} trained tensors there, {len(mine)} here")
+            raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({diff}): resume with "
+                             f"the same model, the same trainable parameters (LoRA config) and the same TrainingArguments")
+        _load_state(opt, state_path)
+        for saved, group in zip(groups, opt.param_groups):
+            for k, v in saved.items():
+                group[k] = tuple(v) if k == "betas" else v
+        sched = os.path.join(checkpoint, _SCHEDULER_FILE)
+        if os.path.isfile(sched) and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True):
+                self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+class TrainStreamTrainer(TrainStreamMixin, Trainer):
+    """`transformers.Trainer` with AdamW, clipping, accumulation and the optimizer state in tsd.
+    Takes Trainer's arguments plus `trainstream={...}`, the options of `trainstream.wrap()`
+    (offload defaults to True here; max_grad_norm and accumulation_steps come from `args`).
+    Refuses fp16 (GradScaler), AMSGrad, optimizers other than AdamW and several processes."""

@@ -1,0 +1,297 @@
+"""TrainStreamTrainer (trainstream.integrations.huggingface) against the stock transformers.Trainer
+on tiny Llama and Qwen2 configs the tests save themselves (no hub): equal losses and grad norms
+with clipping and accumulation, full fine-tune and LoRA, gradient checkpointing and bf16; a
+checkpoint streamed by tsd and a resumed run that continues bit-identically; the mixin on another
+Trainer subclass; each setting it refuses. The CUDA cases skip without a GPU."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Trainer, TrainingArguments  # noqa: E402
+
+import trainstream  # noqa: E402
+from trainstream.integrations.huggingface import TrainStreamMixin, TrainStreamTrainer  # noqa: E402
+from trainstream.integrations.trainer import STATE_FILE, STATE_META_FILE  # noqa: E402
+
+VOCAB, SEQ = 96, 16
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+CUDA = pytest.param("cuda", marks=NO_CUDA)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences, the same on every call (the labels are the inputs: causal LM)."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster than several, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny Llama and a tiny Qwen2 (no dropout), saved once."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch, cfg_cls in (("llama", LlamaConfig), ("qwen2", Qwen2Config)):
+        torch.manual_seed(0)
+        cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+        out[arch] = str(root / arch)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out[arch])
+    return out
+
+
+def load(path, lora=False):
+    # Eager attention: CUDA's fused attention backward may use atomics, which would make two runs
+    # differ in their last bits whatever the optimizer (the resume test wants bit equality).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    if lora:
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA))
+    return model
+
+
+def targs(out, device="cpu", **kw):
+    base = dict(output_dir=str(out), use_cpu=device == "cpu", per_device_train_batch_size=2, max_steps=6,
+                learning_rate=2e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1,
+                logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+                max_grad_norm=0.1, gradient_accumulation_steps=2)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def grad_norms(trainer):
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+def max_diff(a, b):
+    pa = dict(a.named_parameters())
+    return max((p.detach().float().cpu() - pa[n].detach().float().cpu()).abs().max().item()
+               for n, p in b.named_parameters())
+
+
+def run_ts(tsd, model, args, cls=TrainStreamTrainer, resume=None, data=None, **options):
+    data = data or {"train_dataset": TokenDataset()}
+    trainer = cls(model=model, args=args, **data, trainstream={"socket": tsd.socket, **options})
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        assert trainer.trainstream_optimizer is not None and trainer.trainstream_optimizer.offloading
+        trainer.tsd_trained = {id(ps.param) for ps in trainer.trainstream_session.params}
+        trainer.tsd_events = list(trainer.trainstream_session.events)
+    finally:
+        if trainstream.unwrap_session(model) is not None:
+            trainstream.unwrap(model)
+    return trainer
+
+
+def compare(tsd, tmp_path, path, device="cpu", lora=False, tol=2e-4, **kw):
+    ref_model = load(path, lora)
+    model = copy.deepcopy(ref_model)
+    ref = Trainer(model=ref_model, args=targs(tmp_path / "ref", device, **kw), train_dataset=TokenDataset())
+    ref.train()
+    ts = run_ts(tsd, model, targs(tmp_path / "ts", device, **kw))
+    assert len(losses(ts)) == 6
+    assert losses(ts) == pytest.approx(losses(ref), abs=tol)
+    return ref, ts, ref_model, model
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)])
+def test_losses_equal_stock_trainer(tsd, tmp_path, checkpoints, device, arch, lora):
+    """Clipping (0.1 bites here) and 2-step accumulation in tsd give the stock Trainer's losses,
+    grad norms and weights; with LoRA only the adapters are trained."""
+    ref, ts, ref_model, model = compare(tsd, tmp_path, checkpoints[arch], device, lora)
+    assert next(model.parameters()).device.type == device  # passed on the CPU; on CUDA, moved there
+    assert grad_norms(ts) == pytest.approx(grad_norms(ref), rel=1e-4)
+    assert any(g > 0.1 for g in grad_norms(ts))  # the clipping changed something
+    assert max_diff(ref_model, model) < 1e-5
+    if lora:
+        base = load(checkpoints[arch])
+        trained = {n for n, p in model.named_parameters() if id(p) in ts.tsd_trained}
+        assert len(trained) == 2 * 2 * 2 and all("lora_" in n for n in trained)  # layers x (q, v) x (A, B)
+        for n, p in model.get_base_model().named_parameters():
+            if "lora_" not in n:
+                assert torch.equal(p.detach().cpu(), base.get_parameter(n.replace(".base_layer", ""))), n
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_gradient_checkpointing_and_bf16(tsd, tmp_path, checkpoints, device):
+    """bf16 autocast (args.bf16) and gradient checkpointing: the gradients still reach tsd."""
+    compare(tsd, tmp_path, checkpoints["llama"], device, gradient_checkpointing=True, bf16=True, tol=2e-3)
+
+
+def test_short_last_step_and_evaluation(tsd, tmp_path, checkpoints):
+    """One epoch of 7 micro-batches with accumulation 5: the last step has 2 (tsd closes the
+    accumulation of that step itself); evaluation at every step sees the same weights."""
+    data = {"train_dataset": TokenDataset(14), "eval_dataset": TokenDataset(4)}
+    kw = dict(max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=5, eval_strategy="steps", eval_steps=1)
+    ref_model = load(checkpoints["qwen2"])
+    model = copy.deepcopy(ref_model)
+    ref = Trainer(model=ref_model, args=targs(tmp_path / "ref", **kw), **data)
+    ref.train()
+    ts = run_ts(tsd, model, targs(tmp_path / "ts", **kw), data=data)
+    evals = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (ref, ts)]
+    assert len(losses(ts)) == len(evals[1]) == 2
+    assert losses(ts) == pytest.approx(losses(ref), abs=2e-4)
+    assert evals[1] == pytest.approx(evals[0], abs=2e-4)
+    assert max_diff(ref_model, model) < 1e-5
+
+
+def test_events_and_grad_norm_in_the_logs(tsd, tmp_path, checkpoints):
+    model = load(checkpoints["qwen2"])
+    ts = run_ts(tsd, model, targs(tmp_path, max_steps=2))
+    events = [h["trainstream"] for h in ts.state.log_history if "trainstream" in h]
+    lines = [line for e in events for line in e.split("\n")]  # each event once, new ones joined by newlines
+    assert any(line.startswith("wrap:") and "buckets" in line for line in lines)
+    assert lines == ts.tsd_events  # every event of the session, each once, in order
+    assert len(grad_norms(ts)) == 2 and all(g > 0 for g in grad_norms(ts))
+    no_clip = run_ts(tsd, load(checkpoints["qwen2"]), targs(tmp_path / "nc", max_steps=2, max_grad_norm=0.0))
+    assert grad_norms(no_clip) == []  # tsd computes no norm without clipping, and Trainer's .grad is empty
+
+
+@pytest.mark.parametrize("device,options", [("cpu", {}), ("cpu", {"param_dtype": torch.bfloat16}),
+                                            pytest.param("cuda", {}, marks=NO_CUDA)])
+def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, device, options):
+    """save_steps=3: tsd streams its state into the checkpoint; a new process-like run resumed from
+    it gives steps 4-6 and the final weights bit for bit (seeded sampler, no dropout). With bf16
+    working copies the checkpoint's model is bf16 and the fp32 masters come from tsd's file."""
+    from safetensors import safe_open
+    path = checkpoints["llama"]
+    whole = load(path)
+    a = run_ts(tsd, whole, targs(tmp_path / "a", device, save_strategy="steps", save_steps=3), **options)
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / STATE_FILE).is_file() and not (ckpt / "optimizer.pt").exists()
+    meta = json.loads((ckpt / STATE_META_FILE).read_text())
+    assert meta["steps"] == 3 and meta["moment_dtype"] == "float32"
+    assert meta["state_bytes"] == os.path.getsize(ckpt / STATE_FILE)
+    n_trained = sum(1 for p in whole.parameters() if p.requires_grad)
+    with safe_open(str(ckpt / STATE_FILE), "pt") as f:
+        assert len(list(f.keys())) == 4 * n_trained
+        assert f.get_tensor("b0.step").tolist() == [3]
+    resumed = load(path)
+    b = run_ts(tsd, resumed, targs(tmp_path / "b", device), resume=str(ckpt), **options)
+    assert losses(b) == losses(a)  # the first 3 come from the checkpoint's trainer state, the last 3 are new
+    assert grad_norms(b) == grad_norms(a)
+    assert max_diff(whole, resumed) == 0.0
+
+
+def test_resume_refuses_another_layout(tsd, tmp_path, checkpoints):
+    run_ts(tsd, load(checkpoints["llama"]), targs(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2))
+    lora = load(checkpoints["llama"], lora=True)
+    with pytest.raises(ValueError, match="other trained parameters"):
+        run_ts(tsd, lora, targs(tmp_path / "b", max_steps=4), resume=str(tmp_path / "a" / "checkpoint-2"))
+
+
+def test_resumes_a_stock_trainer_checkpoint(tsd, tmp_path, checkpoints):
+    """optimizer.pt from the stock Trainer is loaded into tsd (TsdAdamW.load_state_dict)."""
+    path = checkpoints["qwen2"]
+    ref_model = load(path)
+    ref = Trainer(model=ref_model, args=targs(tmp_path / "ref", save_strategy="steps", save_steps=3),
+                  train_dataset=TokenDataset())
+    ref.train()
+    model = load(path)
+    ts = run_ts(tsd, model, targs(tmp_path / "ts"), resume=str(tmp_path / "ref" / "checkpoint-3"))
+    assert losses(ts) == pytest.approx(losses(ref), abs=2e-4)
+    assert max_diff(ref_model, model) < 1e-5
+
+
+class HalfLossTrainer(Trainer):
+    """A Trainer subclass with its own loss, standing in for TRL's SFTTrainer."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss * 0.5
+
+
+class TrainStreamHalfLoss(TrainStreamMixin, HalfLossTrainer):
+    pass
+
+
+def test_mixin_on_a_trainer_subclass(tsd, tmp_path, checkpoints):
+    ref_model = load(checkpoints["llama"], lora=True)
+    model = copy.deepcopy(ref_model)
+    ref = HalfLossTrainer(model=ref_model, args=targs(tmp_path / "ref"), train_dataset=TokenDataset())
+    ref.train()
+    ts = run_ts(tsd, model, targs(tmp_path / "ts"), cls=TrainStreamHalfLoss)
+    assert losses(ts) == pytest.approx(losses(ref), abs=2e-4)
+    assert max_diff(ref_model, model) < 1e-5
+
+
+# ---- refusals: a clear error when the trainer is built; the model stays unwrapped
+def refused(tmp_path, checkpoints, match, exc=Exception, trainstream_opts=None, optimizers=(None, None), **kw):
+    model = load(checkpoints["llama"])
+    with pytest.raises(exc, match=match):
+        TrainStreamTrainer(model=model, args=targs(tmp_path, **kw), train_dataset=TokenDataset(),
+                           optimizers=optimizers, trainstream=trainstream_opts)
+    assert trainstream.unwrap_session(model) is None
+    return model
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adafactor", "adamw_torch_4bit"])
+def test_refuses_other_optimizers(tmp_path, checkpoints, optim):
+    refused(tmp_path, checkpoints, "tsd runs AdamW", ValueError, optim=optim)
+
+
+def test_refuses_amsgrad(tmp_path, checkpoints):
+    refused(tmp_path, checkpoints, "AMSGrad", NotImplementedError, optim_args="amsgrad=True")
+    model = load(checkpoints["llama"])
+    opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    with pytest.raises(NotImplementedError, match="AMSGrad"):
+        TrainStreamTrainer(model=model, args=targs(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, None))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="SGD"):
+        TrainStreamTrainer(model=model, args=targs(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, None))
+
+
+def test_refuses_fp16(tmp_path, checkpoints):
+    args = targs(tmp_path)
+    args.fp16 = True  # TrainingArguments itself refuses fp16 on the CPU; what a GPU run would pass
+    with pytest.raises(NotImplementedError, match="GradScaler"):
+        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
+
+
+def test_refuses_several_processes(tmp_path, checkpoints, monkeypatch):
+    args = targs(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotImplementedError, match="data parallel"):
+        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
+
+
+def test_refuses_several_gpus(tmp_path, checkpoints, monkeypatch):
+    args = targs(tmp_path)
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what 2 visible GPUs give
+    with pytest.raises(NotImplementedError, match="CUDA_VISIBLE_DEVICES"):
+        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
+
+
+def test_refuses_options_that_come_from_the_args(tmp_path, checkpoints):
+    refused(tmp_path, checkpoints, "max_grad_norm=", ValueError, trainstream_opts={"max_grad_norm": 1.0})
+    refused(tmp_path, checkpoints, "gradient_accumulation_steps=", ValueError,
+            trainstream_opts={"accumulation_steps": 2})
+    refused(tmp_path, checkpoints, "unknown options", TypeError, trainstream_opts={"moments": "bf16"})
