@@ -23,8 +23,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .client import Client, Job, Notice, OptimizerLayout, Region, RegionInfo, Status, connect
 from .errors import (AlreadyExists, DaemonUnavailable, FailedPrecondition, InvalidRequest, MemoryCheckFailed, NotFound,
-from .store import Store, StoreInfo, StoreTensor
                      PermissionDenied, QuotaExceeded, SessionClosed, Timeout, TsdError)
+from .store import Store, StoreInfo, StoreTensor
 from .memory import HostArena
 from .optim import TsdAdamW
 from .planner import Budget, Plan
