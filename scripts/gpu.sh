@@ -31,6 +31,7 @@ stage_build() {
   local targets=()
   [ "${1:-}" = min ] && targets=(--target tsd tsctl tsclient tsd_quant)
   cmake --build /tmp/bg -j16 "${targets[@]}" >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
+  rm -rf /tmp/tspy  # pip --target keeps what is there
   TSD_PY_BUILD_DIR=/tmp/bg TSD_BUILD_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \
     --target /tmp/tspy ./client-py >/tmp/pip.log 2>&1 || { tail -40 /tmp/pip.log; return 1; }
   echo "gpu.sh: build took $((SECONDS - t0)) s"
