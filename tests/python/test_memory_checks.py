@@ -314,9 +314,10 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
     room, it pages nothing."""
     data = batches(4, batch=256, device="cuda")
     out = {}
-    # Two runs of this model agree bit for bit only with deterministic kernels: at batch 256 the
-    # embedding's backward (atomic adds on the GPU) sums its many repeated tokens in a varying
-    # order (measured on the H200: the 4th loss differed in its last bits between two runs).
+    # Two runs of this model can agree bit for bit only with deterministic kernels: at batch 256
+    # the embedding's backward (atomic adds on the GPU) sums its many repeated tokens in a varying
+    # order. Without this, on the H200 the 4th loss of the paged and the unpaged run differed in
+    # its last bits, while every other paging comparison there (smaller batches) was bit-exact.
     torch.use_deterministic_algorithms(True, warn_only=True)
     request.addfinalizer(lambda: torch.use_deterministic_algorithms(False))
     for usable in (1 << 40, 1 << 20):
