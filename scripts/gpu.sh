@@ -15,6 +15,8 @@
 #   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
 #
 # Stage arguments run until the next stage name. $OUT is the device tool's output folder.
+# Set TSD_BENCH_COMMIT=<commit> in the command, written out on the development machine: the
+# copy's .git there may be stale, so `git rev-parse` on the GPU machine can name an old commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:=/tmp/out}"
