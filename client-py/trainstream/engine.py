@@ -87,6 +87,7 @@ class Session:
         self.params: list[ParamSlots] = []      # by bucket
         self.by_param: dict[int, ParamSlots] = {}  # id(param) -> its slots
         self.closed = False
+        self.failure: Optional[TsdError] = None  # what ended the session's use of tsd, if tsd did
         self.offloading = True
         # Per-step state.
         self.counts: dict[int, int] = {}  # bucket -> gradients delivered in this step
@@ -132,13 +133,21 @@ class Session:
         for gi, h in enumerate(self.hyper):
             self.handle.set_group(gi, *h)
 
+    def fail(self, error: TsdError) -> None:
+        """Marks the session as ended by `error` (the daemon died, closed the session, ...): every
+        later step() raises the same error again."""
+        self.closed = True
+        self.failure = error
+
     # ---- the gradient hook
     def on_grad(self, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> None:
         grad = p.grad
         if grad is None or not self.offloading:
             return
         if self.closed:
-            raise TsdError("this model was unwrapped (or its optimizer failed); wrap it again to train it")
+            if self.failure is not None:
+                raise type(self.failure)(self.failure.message, self.failure.code)
+            raise TsdError("this model was unwrapped; wrap it again to train it")
         ps = self.by_param[id(p)]
         b = ps.bucket
         n = self.counts.get(b, 0) + 1
@@ -151,9 +160,13 @@ class Session:
         first = n == 1
         if first and p._version != ps.version:
             self.sync_master(ps)  # the parameter was changed outside the optimizer (e.g. load_state_dict)
-        if final and self.hyper is None:
-            self.write_hyper(optimizer)
-        self.deliver(ps, grad, first, final)
+        try:
+            if final and self.hyper is None:
+                self.write_hyper(optimizer)
+            self.deliver(ps, grad, first, final)
+        except TsdError as e:
+            self.fail(e)
+            raise
         p.grad = None
         self.counts[b] = n
         if final:

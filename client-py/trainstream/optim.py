@@ -41,6 +41,8 @@ class TsdAdamW(torch.optim.Optimizer):
     def _check(self):
         s = self._session
         if s.closed:
+            if s.failure is not None:  # the daemon ended the session: the same error, every time
+                raise type(s.failure)(s.failure.message, s.failure.code)
             raise TsdError("this optimizer's model was unwrapped; wrap it again to train it")
 
     @torch.no_grad()
@@ -60,8 +62,8 @@ class TsdAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         try:
             s.finish_step(self)
-        except TsdError:
-            s.closed = True
+        except TsdError as e:
+            s.fail(e)
             raise
         s.step_times.append(time.perf_counter() - t0)
         if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
