@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .units import format_bytes
+from .units import block_ranges, format_bytes
 
 if TYPE_CHECKING:  # planner.py re-exports this module's names: no import of it at load time
     from .planner import Budget
@@ -108,7 +108,7 @@ class MemoryPlanner:
     def describe(self, paged: set[int]) -> str:
         n = self.count
         return (f"{n - len(paged)} of {n} blocks resident ({format_bytes(self.resident_bytes(paged))}), "
-                f"{len(paged)} paged{' (' + _ranges(sorted(paged)) + ')' if paged else ''}")
+                f"{len(paged)} paged{' (' + block_ranges(sorted(paged)) + ')' if paged else ''}")
 
     # ---- decisions
     def initial_paged(self) -> set[int]:
@@ -212,19 +212,6 @@ class MemoryPlanner:
     def take_events(self) -> list[str]:
         out, self.events = self.events, []
         return out
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out: list[str] = []
-    start: Optional[int] = None
-    for i, x in enumerate(indices):
-        if start is None:
-            start = x
-        if i + 1 == len(indices) or indices[i + 1] != x + 1:
-            out.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ", ".join(out)
 
 
 def fraction_paged(fraction: float, count: int) -> list[int]:

@@ -98,3 +98,15 @@ def tsd_dtype(dtype: Union[str, torch.dtype], what: str = "dtype") -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of one of tsd's dtype names."""
     return getattr(torch, tsd_dtype(name))
+
+
+def block_ranges(indices: list[int]) -> str:
+    """Block indices as ranges, for messages: [0, 1, 2, 5] -> "0-2, 5"."""
+    out, start = [], None
+    for i, x in enumerate(indices):
+        if start is None:
+            start = x
+        if i + 1 == len(indices) or indices[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)

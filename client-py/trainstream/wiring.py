@@ -33,12 +33,12 @@ from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
-from .paging.activations import block_ranges, choose_blocks, find_blocks, page_blocks, profile_blocks
+from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
 from .paging.weights import WeightPager, check_param_offload, weight_blocks
 from .blockplan import MemoryPlanner, fraction_paged
 from .planner import Budget, Plan
 from .quant.auto import apply_wrap_quantize, check_wrap_options
-from .units import DTYPE_BYTES, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
+from .units import DTYPE_BYTES, block_ranges, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
 __all__ = ["wrap", "unwrap", "unwrap_session", "plan_wrap"]
 

@@ -31,11 +31,12 @@ import torch
 from torch import nn
 
 from ..memory import HostBlock, HostMemory, PinnedHost
+from ..units import block_ranges
 
 _MIN_BYTES = 1 << 20
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether `t` covers its memory exactly, in some order (contiguous, or e.g. a transposed
     result of an elementwise op): then a copy with the same strides is one flat memcpy."""
     if t.is_contiguous():
@@ -170,7 +171,7 @@ class ActivationPager:
     def _keep(self, t: Any) -> bool:
         if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
             return True
-        if t.numel() * t.element_size() < self.min_bytes or not _dense(t):
+        if t.numel() * t.element_size() < self.min_bytes or not dense(t):
             return True
         if t.untyped_storage().data_ptr() in self.keep_ptrs:
             return True
@@ -318,15 +319,3 @@ def profile_blocks(session: Any, model: nn.Module) -> None:
     session.act_pager.install()
     session.events.append(f"activation_offload=auto: measuring the saved activations of the {len(blocks)} blocks "
                           f"of {name or 'the model'} during the first step")
-
-
-def block_ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, start = [], None
-    for i, x in enumerate(indices):
-        if start is None:
-            start = x
-        if i + 1 == len(indices) or indices[i + 1] != x + 1:
-            out.append(f"{start}-{x}" if x != start else f"{x}")
-            start = None
-    return ", ".join(out)

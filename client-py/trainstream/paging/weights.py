@@ -49,7 +49,7 @@ from torch import nn
 
 from ..memory import HostArena, HostBlock
 from ..units import format_bytes
-from .activations import find_blocks
+from .activations import dense, find_blocks
 
 if TYPE_CHECKING:
     from ..engine import ParamSlots, Session
@@ -107,7 +107,7 @@ class _Weight:
         self.param, self.name, self.trained = param, name, trained
         self.slots: Optional["ParamSlots"] = None  # a trained parameter's, once its block is paged
         self.shape = param.shape
-        self.stride = param.stride() if _dense(param) else _contiguous_strides(param.shape)
+        self.stride = param.stride() if dense(param) else _contiguous_strides(param.shape)
         self.dtype = dtype
         self.block: Optional[HostBlock] = None
         self.host: Optional[torch.Tensor] = None
@@ -167,16 +167,6 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         out.append(acc)
         acc *= max(int(n), 1)
     return tuple(reversed(out))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class WeightPager:
