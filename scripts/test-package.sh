@@ -165,7 +165,7 @@ fi
 if as "$outsider" "$tmp/client" "$sock" >>"$tmp/outsider.log" 2>&1; then
   fail "a user outside group tsd attached"
 fi
-grep -q "Permission denied" "$tmp/outsider.log" ||
+grep -qi "permission denied" "$tmp/outsider.log" ||
   fail "the outsider failed otherwise: $(cat "$tmp/outsider.log")"
 
 port=$(sed -n 's/.*metrics=127\.0\.0\.1:0 (port \([0-9]*\)).*/\1/p' "$tmp/tsd.log")
