@@ -142,8 +142,12 @@ std::string Ledger::BiggestHoldersLocked() const {
   return Biggest(std::move(sizes));
 }
 
-absl::Status Ledger::CheckFitsLocked(const Holder& holder, const Account* account,
-                                     const std::string& label, uint64_t bytes) const {
+absl::Status Ledger::CheckFitsLocked(const Holder& holder, const std::string& label,
+                                     uint64_t bytes) const {
+  const Account* account = FindLocked(holder);  // null for a store with no account yet
+  if (account == nullptr && holder.kind == Holder::Kind::kJob) {
+    return absl::NotFoundError(absl::StrCat(holder.ToString(), " is not open"));
+  }
   if (bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat("'", label, "' for ", holder.ToString(),
                                                    " asks for 0 bytes; ask for at least 1 byte"));
@@ -192,11 +196,7 @@ absl::Status Ledger::CheckFitsLocked(const Holder& holder, const Account* accoun
 
 absl::Status Ledger::Charge(const Holder& holder, const std::string& label, uint64_t bytes) {
   MutexLock lock(mu_);
-  const Account* found = FindLocked(holder);
-  if (found == nullptr && holder.kind == Holder::Kind::kJob) {
-    return absl::NotFoundError(absl::StrCat(holder.ToString(), " is not open"));
-  }
-  TSD_RETURN_IF_ERROR(CheckFitsLocked(holder, found, label, bytes));
+  TSD_RETURN_IF_ERROR(CheckFitsLocked(holder, label, bytes));
   Account& account = *AccountLocked(holder, true);
   account.charged += bytes;
   account.labels[label] += bytes;
@@ -226,21 +226,13 @@ absl::Status Ledger::Uncharge(const Holder& holder, const std::string& label, ui
 absl::Status Ledger::CheckFits(const Holder& holder, const std::string& label,
                                uint64_t bytes) const {
   MutexLock lock(mu_);
-  const Account* found = FindLocked(holder);
-  if (found == nullptr && holder.kind == Holder::Kind::kJob) {
-    return absl::NotFoundError(absl::StrCat(holder.ToString(), " is not open"));
-  }
-  return CheckFitsLocked(holder, found, label, bytes);
+  return CheckFitsLocked(holder, label, bytes);
 }
 
 absl::StatusOr<Reservation> Ledger::Reserve(const Holder& holder, const std::string& label,
                                             uint64_t bytes) {
   MutexLock lock(mu_);
-  const Account* found = FindLocked(holder);
-  if (found == nullptr && holder.kind == Holder::Kind::kJob) {
-    return absl::NotFoundError(absl::StrCat(holder.ToString(), " is not open"));
-  }
-  TSD_RETURN_IF_ERROR(CheckFitsLocked(holder, found, label, bytes));
+  TSD_RETURN_IF_ERROR(CheckFitsLocked(holder, label, bytes));
   Account& account = *AccountLocked(holder, true);
   account.reserved += bytes;
   held_ += bytes;

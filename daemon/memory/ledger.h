@@ -151,10 +151,8 @@ class Ledger final {
     uint64_t bytes = 0;
   };
 
-  // Checks that `bytes` more fit the holder's limit and the pool; `account` is null for a store
-  // with no account yet.
-  absl::Status CheckFitsLocked(const Holder& holder, const Account* account,
-                               const std::string& label, uint64_t bytes) const
+  // Checks that the holder is open (a job) and that `bytes` more fit its limit and the pool.
+  absl::Status CheckFitsLocked(const Holder& holder, const std::string& label, uint64_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The account of `holder`, opening a store's; null for a job that is not open.
   Account* AccountLocked(const Holder& holder, bool open_store) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -323,8 +323,14 @@ class WeightPager:
         if not b.paged:
             return False
         self._quiesce()
+        self._bring_back(b, self.device)
+        return True
+
+    def _bring_back(self, b: _Block, target: torch.device) -> None:
+        """Makes paged block `b` resident on `target` for good: its weights are loaded there, its
+        trained weights' slots stop being their only copy, its frozen weights' host block goes."""
         self._drop(b)
-        self._load_now(b, self.device)
+        self._load_now(b, target)
         for w in b.weights:
             if w.slots is not None:
                 w.slots.paged = False
@@ -333,7 +339,6 @@ class WeightPager:
                 w.block.release()
                 w.block, w.host = None, None
         b.paged = False
-        return True
 
     def move_to(self, paged: set[int]) -> None:
         """Pages and unpages blocks so that `paged` are the paged ones (paging out first)."""
@@ -365,16 +370,7 @@ class WeightPager:
                               f"memory of {self.device} ({format_bytes(free)}): unwrap() gives them back on the CPU")
         for b in self.blocks:
             if b.paged:
-                self._drop(b)
-                self._load_now(b, target)
-                for w in b.weights:
-                    if w.slots is not None:
-                        w.slots.paged = False
-                        w.slots.version = w.param._version
-                    elif w.block is not None:
-                        w.block.release()
-                        w.block, w.host = None, None
-                b.paged = False
+                self._bring_back(b, target)
         if self.arena is not None:
             self.arena.close()
             self.arena = None
