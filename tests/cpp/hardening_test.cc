@@ -182,12 +182,16 @@ TEST(Hardening, ConfiguredRegionBudgetsAreCappedAtTheNodeBudget) {
 // back, and a bystander is served again within seconds.
 TEST(Hardening, ControlPlaneRecoversAfterDescriptorExhaustion) {
 #ifdef TSD_SANITIZED
-  // Under ASan+UBSan the daemon ends right after gRPC logs "Failed accept4: Too many open files":
-  // UBSan reports "member call on address ... which does not point to an object of type
-  // '_Sp_counted_base'" (a shared_ptr's control block; no stack could be printed) and
-  // -fno-sanitize-recover stops the process. Not yet traced to gRPC (1.51, not instrumented) or to
-  // tsd; recorded in the notes. The plain build runs this test.
-  GTEST_SKIP() << "gRPC's EMFILE path trips UBSan's vptr check (see the comment)";
+  // Under ASan+UBSan the exhaustion this test makes reaches the sanitizer runtime itself: after
+  // gRPC's "Failed accept4: Too many open files", UBSan's vptr check reports "member call on
+  // address ... which does not point to an object of type 'ServerInterface'" ("object has invalid
+  // vptr", "<memory cannot be printed>") at the watchdog's server_->Shutdown()
+  // (daemon/rpc/control_plane.cc), on a live server, and -fno-sanitize-recover stops the daemon.
+  // The same call passes in every other test and in the plain build. The likely cause: the
+  // runtime checks that it may read the object's vptr through a pipe, which it cannot open with
+  // no descriptor left, and takes the failure for unreadable memory (UBSan suppressions do not
+  // apply to non-recoverable checks). The plain build runs this test.
+  GTEST_SKIP() << "with no descriptor left, UBSan's own vptr check misfires (see the comment)";
 #endif
   DaemonOptions opts;
   opts.nofile_limit = 128;
