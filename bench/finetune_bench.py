@@ -18,6 +18,10 @@ Modes, each run in its own process so peaks do not mix:
               FSDP2 + CPUOffloadPolicy, stock LoRA)
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
+A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped, in the same run).
+--param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
+(wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
+tensor at a time) and handed to wrap() there, as a model bigger than the card would be.
 --grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
 fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
 --clip 0 turns it off). Models come from a config with random weights (no download); `--arch tiny`
@@ -134,17 +138,20 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])
-    if mode not in LORA_MODES:
+    if host_built(a, mode):
+        model = host_model(cfg, torch.bfloat16 if mode in LORA_MODES else torch.float32, a.device)
+    elif mode not in LORA_MODES:
         model = Qwen2ForCausalLM(cfg)
     else:
-        import peft
-
         with torch.device(a.device):
             torch.set_default_dtype(torch.bfloat16)
             try:
                 model = Qwen2ForCausalLM(cfg)
             finally:
                 torch.set_default_dtype(torch.float32)
+    if mode in LORA_MODES:
+        import peft
+
         if mode == "tsd_qlora":
             import trainstream
 
@@ -158,6 +165,40 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
         if mode in LORA_MODES:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need an input with grad
     return model, cfg.vocab_size
+
+
+def host_built(a: argparse.Namespace, mode: str) -> bool:
+    """Whether `mode` gets its model on the host: a tsd mode paging its weights (--param-offload)."""
+    return bool(a.param_offload) and mode in TSD_MODES and a.device == "cuda"
+
+
+def host_model(cfg: Any, dtype: Any, device: str) -> Any:
+    """A Qwen2 model of `cfg` in host memory, initialised as transformers does (normal(0, 0.02)
+    weights, zero biases, unit norms) but with each tensor drawn on `device` and copied over: torch
+    draws normal values on the CPU in one thread, minutes for a 14B model. At most one tensor is
+    on the GPU at a time (the embedding, under 2 GiB), before any cap is set."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from transformers.initialization import no_init_weights
+
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights():
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=g))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return model
 
 
 def bnb_quantize(model: Any) -> None:
@@ -197,10 +238,12 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     t0 = time.time()
     lora = a.mode in LORA_MODES
     model, vocab = build_model(a, a.mode)
-    model = model.to(a.device)
+    if not host_built(a, a.mode):
+        model = model.to(a.device)
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
     moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
-    activation_offload = a.activation_offload if a.mode.endswith("_act") else False
+    activation_offload = option_value(a.activation_offload) if a.mode.endswith("_act") else False
+    param_offload = option_value(a.param_offload) if a.param_offload else False
     stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora
     session = None
@@ -209,7 +252,8 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
 
         model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
                                       moment_dtype=moment_dtype, param_dtype=param_dtype,
-                                      activation_offload=activation_offload, max_grad_norm=a.clip or None)
+                                      activation_offload=activation_offload, param_offload=param_offload,
+                                      max_grad_norm=a.clip or None)
         session = trainstream.unwrap_session(model)
         clip = None
     else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
@@ -264,13 +308,18 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
             held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
     pager = getattr(session, "pager", None)
     handle = getattr(session, "handle", None)
+    events = list(getattr(session, "events", []) or [])
     print("@@" + json.dumps(dict(
         mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()), batch=a.batch, seq=a.seq,
         clip=a.clip, step_s_median=med(times), steps=times,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
         param_dtype=str(param_dtype), activation_offload=activation_offload,
-        paged_gib_per_step=(pager.paged_bytes / a.steps / 2**30 if pager is not None else 0.0),
+        paged_gib_per_step=(pager.moved_bytes / a.steps / 2**30 if pager is not None else 0.0),
+        paged_blocks=(len(pager.paged) if pager is not None else 0),
+        blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
+        reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        plan=[e for e in events if "plan" in e or "param_offload" in e or "activation" in e][-6:],
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt)),
         flush=True)
@@ -291,7 +340,26 @@ def run_capped() -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def base_mode(mode: str) -> tuple[str, bool]:
+    """(the mode, whether it runs uncapped) of a --modes entry: MODE or MODE:uncapped."""
+    name, _, variant = mode.partition(":")
+    return name, variant == "uncapped"
+
+
+def option_value(text: Any) -> Any:
+    """A wrap() option given on the command line: auto, true/false, a fraction."""
+    if not isinstance(text, str):
+        return text
+    low = text.lower()
+    if low in ("auto", "true", "false"):
+        return {"auto": "auto", "true": True, "false": False}[low]
+    return float(text)
+
+
 def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
+    mode, uncapped = base_mode(mode)
+    if uncapped:
+        a = argparse.Namespace(**{**vars(a), "cap_gib": 0})
     common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
     clip = ["--clip", str(a.clip)] if a.clip else []
     if mode in PEER_MODES:
@@ -305,24 +373,30 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
             "--clip", str(a.clip), *common, *(["--peers", a.peers] if a.peers else []),
+            *(["--param-offload", a.param_offload] if a.param_offload else []),
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
 
 
 def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
+    mode, uncapped = base_mode(mode)
+    if uncapped:
+        a = argparse.Namespace(**{**vars(a), "cap_gib": 0})
     w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
                          "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
                          "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {})}
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
-                 tsd_threads=raw.get("threads"), daemon_args=a.daemon_args)
+                 tsd_threads=raw.get("threads"), daemon_args=a.daemon_args,
+                 **({"param_offload": raw.get("param_offload")} if a.param_offload else {}))
     return w
 
 
 VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
-              "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms"}
+              "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",
+              "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib"}
 
 
 def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:
@@ -376,8 +450,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all modes, interleaved (3 for a ratio within 10%%)")
     ap.add_argument("--once", default="", help="modes run only in the first round (e.g. stock, for its peak VRAM)")
     ap.add_argument("--moment-dtype", default="auto")
-    ap.add_argument("--activation-offload", type=float, default=0.25,
-                    help="share of the decoder layers the *_act modes page (default 0.25)")
+    ap.add_argument("--activation-offload", default="0.25",
+                    help="share of the decoder layers the *_act modes page, or auto (default 0.25)")
+    ap.add_argument("--param-offload", default="",
+                    help="the tsd modes' wrap(param_offload=): auto, true or a fraction (default: off)")
     ap.add_argument("--socket", default=None, help="an existing tsd (default: start build/bin/tsd)")
     ap.add_argument("--tsd-bin", default=None, help="the tsd to start (default $TSD_BIN, else build/bin/tsd)")
     ap.add_argument("--pool-size", default="96GiB")
@@ -389,13 +465,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     once = {m for m in a.once.split(",") if m}
-    bad = [m for m in modes + sorted(once) if m not in ALL_MODES]
+    bad = [m for m in modes + sorted(once) if base_mode(m)[0] not in ALL_MODES]
     if a.mode is None and bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
     if not modes or a.repeats < 1 or a.steps < 1 or a.batch < 1 or a.seq < 2:
         ap.error("need at least one mode, --repeats >= 1, --steps >= 1, --batch >= 1 and --seq >= 2")
     if a.clip < 0 or a.cap_gib < 0 or a.sample_interval <= 0:
         ap.error("--clip and --cap-gib must be >= 0 and --sample-interval > 0")
+    try:
+        option_value(a.activation_offload), option_value(a.param_offload or "false")
+    except ValueError:
+        ap.error("--activation-offload and --param-offload take auto, true, false or a number")
     a.modes_list, a.once_set = modes, frozenset(once)
     return a
 
@@ -417,12 +497,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rec = benchlib.Recorder("finetune", a.results, command=benchlib.command_line(
         [os.path.relpath(os.path.abspath(sys.argv[0]), os.getcwd()), *(sys.argv[1:] if argv is None else argv)]))
-    skips = {m: skip_reason(m, a) for m in a.modes_list}
+    skips = {m: skip_reason(base_mode(m)[0], a) for m in a.modes_list}
     nvml = benchlib.Nvml.open() if a.device == "cuda" else None
     gpu = benchlib.Nvml.index_for_visible()
     daemon = client = None
     try:
-        if any(m in TSD_MODES and skips[m] is None for m in a.modes_list):
+        if any(base_mode(m)[0] in TSD_MODES and skips[m] is None for m in a.modes_list):
             import trainstream
 
             if a.socket is None:
@@ -435,7 +515,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rec.record(mode, workload(mode, a, {}), {}, status="skipped", reason=skips[mode], repeat=repeat)
                     print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
                 continue
-            tsd = mode in TSD_MODES
+            tsd = base_mode(mode)[0] in TSD_MODES
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
                                        (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
             status, reason, values, raw = outcome(run)

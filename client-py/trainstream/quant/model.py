@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..paging.activations import find_blocks
@@ -10,6 +11,8 @@ from .formats import check_block_size, check_kind
 from .linear import QuantizedLinear
 
 __all__ = ["quantize_model", "quantizable_linears"]
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantizable_linears(model: nn.Module, frozen_only: bool = False) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -48,19 +51,41 @@ def quantize_model(model: nn.Module, kind: str, block_size: int = 64, host: Opti
     block linear counts as the frozen base, unless `frozen_only`). Each layer becomes a `QuantizedLinear` on the
     same device whose weight no longer requires grad. With `host` (a trainstream.memory.HostArena
     of a tsd job), the quantized buffers of CPU layers live in the host memory it lends. Returns
-    `model`. Raises ValueError for an unknown kind, a bad block size or a non-finite weight,
-    before it changes anything."""
+    `model`.
+
+    Raises ValueError for an unknown kind, a bad block size or a non-finite weight, before it
+    changes anything. Layers are then quantized one at a time, each full-precision weight released
+    as soon as its layer is replaced (unless something else still holds it), so the peak is the
+    model plus one layer's codes rather than the model plus all of them; on a GPU the freed cache
+    is returned to the device at the end. Only a failure to allocate can stop it midway, and that
+    error says how many layers were quantized by then."""
     check_kind(kind)
     block_size = check_block_size(kind, block_size)
     targets = quantizable_linears(model, frozen_only)
-    made = []
-    for parent, attr, linear in targets:  # quantize all first: an error leaves the model untouched
+    for parent, attr, linear in targets:  # everything that can be refused is checked first
+        w = linear.weight.detach()
+        if w.dtype not in _FLOAT:
+            raise ValueError(f"cannot quantize {type(parent).__name__}.{attr}: quantize_model takes fp32, bf16 or "
+                             f"fp16 weights, not {w.dtype}")
+        if w.numel() and not bool(torch.isfinite(w).all()):
+            raise ValueError(f"cannot quantize {type(parent).__name__}.{attr}: its weight has a non-finite element "
+                             f"(NaN or infinity); nothing was quantized")
+    cuda = False
+    done = 0
+    while targets:
+        parent, attr, linear = targets.pop(0)
+        cuda = cuda or linear.weight.device.type == "cuda"
         try:
             layer = QuantizedLinear.from_linear(linear, kind, block_size,
                                                 host=host if linear.weight.device.type == "cpu" else None)
         except ValueError as e:
-            raise ValueError(f"cannot quantize {type(parent).__name__}.{attr}: {e}") from None
-        made.append((parent, attr, layer))
-    for parent, attr, layer in made:
+            raise ValueError(f"cannot quantize {type(parent).__name__}.{attr} after {done} layer(s) were: {e}") from None
+        except (RuntimeError, MemoryError) as e:
+            raise type(e)(f"quantize_model stopped at {type(parent).__name__}.{attr} after quantizing {done} of "
+                          f"{done + 1 + len(targets)} layers: {e}") from e
         setattr(parent, attr, layer)
+        del linear, layer
+        done += 1
+    if cuda:
+        torch.cuda.empty_cache()
     return model
