@@ -14,6 +14,8 @@ Modes, each run in its own process so peaks do not mix:
               bitsandbytes Linear4bit (NF4, block 64, no double quantization, bf16 compute; what
               BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
               bnb_4bit_compute_dtype=bfloat16) makes), LoRA r=16, torch AdamW on the GPU
+  lora_torch  stock peft LoRA r=16 on the bf16 base tsd_lora builds (on the GPU, honouring --grad-ckpt),
+              torch AdamW on the GPU: tsd_lora's peer where peers.py's lora_stock cannot checkpoint
   stock, fsdp2_offload, lora_stock     the peers of shared/bench/peers.py (fused AdamW in VRAM,
               FSDP2 + CPUOffloadPolicy, stock LoRA)
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
@@ -63,18 +65,19 @@ import benchlib  # noqa: E402
 TSD_MODES = ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act", "tsd_lora", "tsd_qlora")
 PEER_MODES = ("stock", "fsdp2_offload", "lora_stock")
 OFFLOAD_MODES = ("ds_offload", "torchao_offload")
-LOCAL_PEER_MODES = ("bnb_qlora",)  # peers run by this script (--mode), without tsd
+LOCAL_PEER_MODES = ("bnb_qlora", "lora_torch")  # peers run by this script (--mode), without tsd
 ALL_MODES = TSD_MODES + PEER_MODES + OFFLOAD_MODES + LOCAL_PEER_MODES
-LORA_MODES = ("tsd_lora", "tsd_qlora", "bnb_qlora")
+LORA_MODES = ("tsd_lora", "tsd_qlora", "bnb_qlora", "lora_torch")
 NEEDS = {"tsd_lora": ("peft",), "tsd_qlora": ("peft",), "lora_stock": ("peft",), "ds_offload": ("deepspeed",),
-         "torchao_offload": ("torchao",), "bnb_qlora": ("peft", "bitsandbytes")}
+         "torchao_offload": ("torchao",), "bnb_qlora": ("peft", "bitsandbytes"), "lora_torch": ("peft",)}
 # What each mode keeps in which precision (the workload's dtype).
 DTYPES = {"tsd": "fp32 weights, bf16 autocast", "tsd_bf16": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16m": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_bf16m_act": "bf16 weights, fp32 masters in tsd, bf16 autocast",
           "tsd_lora": "bf16 base, LoRA in tsd", "tsd_qlora": "NF4 base (tsd), bf16 compute, LoRA in tsd",
-          "bnb_qlora": "NF4 base (bitsandbytes), bf16 compute, LoRA with torch AdamW on the GPU", "stock": "fp32 weights, bf16 autocast",
+          "bnb_qlora": "NF4 base (bitsandbytes), bf16 compute, LoRA with torch AdamW on the GPU",
+          "lora_torch": "bf16 base, LoRA with torch AdamW on the GPU", "stock": "fp32 weights, bf16 autocast",
           "fsdp2_offload": "fp32 sharded weights on the CPU, bf16 compute (MixedPrecisionPolicy)",
           "lora_stock": "bf16 base, LoRA in fp32", "ds_offload": "bf16 weights, fp32 master and moments on the CPU",
           "torchao_offload": "fp32 weights, bf16 autocast, fp32 moments on the CPU"}
@@ -530,9 +533,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             daemon.terminate()
             daemon.wait(30)
     records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
-    peers = ("fsdp2_offload", "ds_offload", "torchao_offload", "stock", "lora_stock", "bnb_qlora")
+    peers = ("fsdp2_offload", "ds_offload", "torchao_offload", "stock", "lora_stock", "bnb_qlora", "lora_torch")
     ratios = [f"step:{m}" for m in peers if m in a.modes_list]
-    ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora") if m in a.modes_list]
+    ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
         a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
