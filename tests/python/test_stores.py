@@ -108,3 +108,59 @@ def test_load_model_from_a_store_reads_the_checkpoint_once(tsd, tmp_path):
         assert emb.grad is not None and torch.isfinite(emb.grad).all()
         with torch.no_grad():
             assert torch.equal(_logits(first), expected)
+
+
+def test_two_processes_share_one_store_and_both_train_lora(tsd, tmp_path):
+    """Two trainer processes load one checkpoint through tsd: the first builds the store, the
+    second maps it without tsd or itself reading tensor data; both then train LoRA at the same
+    time and get the losses of a run on the same model loaded from the files without a store."""
+    import subprocess
+    import sys
+
+    from trainstream.integrations.huggingface import load_model
+    d = _saved(tmp_path)
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+    worker = os.path.join(os.path.dirname(__file__), "store_worker.py")
+    env = dict(os.environ)
+    import json
+
+    def start(job):
+        return subprocess.Popen([sys.executable, worker, tsd.socket, d, job, "4"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    procs, loaded, reads = [], [], []
+    try:
+        for job in ("share-a", "share-b"):
+            before = _daemon_rchar(tsd.proc.pid)
+            p = start(job)
+            procs.append(p)
+            line = p.stdout.readline()
+            assert line, f"{job} ended before loading: {p.stderr.read()[-2000:]}"
+            loaded.append(json.loads(line)["loaded"])
+            reads.append(_daemon_rchar(tsd.proc.pid) - before)
+        assert loaded[0]["store_built"] and not loaded[1]["store_built"]
+        assert loaded[0]["store"] == loaded[1]["store"]
+        assert loaded[0]["bytes_read"] > 0 and loaded[1]["bytes_read"] == 0  # the first counts what tsd read for it
+        assert reads[0] >= size and reads[1] < size // 10, reads
+        with trainstream.connect(socket=tsd.socket, job="share-watch") as c:
+            assert [s.users for s in c.stores() if s.id == loaded[0]["store"]] == [2]
+        for p in procs:  # both train at once
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+            results.append(json.loads(out.splitlines()[-1])["losses"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        from store_worker import lora_losses
+    finally:
+        sys.path.pop(0)
+    expected = lora_losses(load_model(d, quantize="nf4"), tsd.socket, "share-ref", 4)
+    assert results[0] == results[1] == expected
+    assert expected[-1] < expected[0]
