@@ -132,6 +132,21 @@ class MemoryPlanner:
                            f"from the first steps' peaks")
         return paged
 
+    def probe_paged(self, planned: set[int]) -> set[int]:
+        """The blocks paged in the first step. When the budget's plan pages nothing, that plan.
+        Otherwise every block: the activation reserve is a guess (nothing says how large a batch
+        comes), and a first step that runs out of memory ends the run, while one with every block
+        paged measures the activations beside the fewest resident weights; `refine` then moves in
+        as many blocks as that measured peak leaves room for."""
+        if not planned:
+            return set()
+        everything = set(range(self.count))
+        if planned != everything:
+            self.events.append(f"memory plan: the first step pages all {self.count} blocks to measure the "
+                               f"activations safely (the budget's plan kept {self.count - len(planned)} resident); "
+                               f"the next steps move blocks back by the measured peak")
+        return everything
+
     def _estimate(self, peak: int, paged: set[int], new: set[int]) -> int:
         """The peak a step would reach with `new` paged, from one measured with `paged`."""
         return (peak - self.resident_bytes(paged) - self.buffers(paged)

@@ -161,7 +161,7 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     fixed = max(0, used - on_device) + pager.outside_bytes()
     session.planner = MemoryPlanner(budget, pager.block_bytes, fixed_vram=fixed,
                                     inflight_bytes=pager.largest_trained_block())
-    first = sorted(session.planner.initial_paged())
+    first = sorted(session.planner.probe_paged(session.planner.initial_paged()))
     session.events.extend(session.planner.take_events())
     return first
 

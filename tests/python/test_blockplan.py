@@ -133,3 +133,23 @@ def test_fraction_pages_a_spread_share():
     for bad in (0.0, 1.5, -0.1, float("nan"), True):
         with pytest.raises(ValueError, match="fraction"):
             fraction_paged(bad, 8)
+
+
+def test_the_first_step_pages_every_block_when_the_plan_pages_any_then_refine_moves_them_back():
+    """A first step that runs out of memory ends the run, and its activations are unknown before
+    it: when the budget's plan pages anything, the first step pages everything, and refine moves
+    in what the measured peak leaves room for."""
+    blocks = [int(0.55 * GiB)] * 48
+    p = MemoryPlanner(budget(24), blocks, fixed_vram=3 * GiB, inflight_bytes=GiB // 2)
+    planned = p.initial_paged()
+    assert 0 < len(planned) < 48
+    first = p.probe_paged(planned)
+    assert first == set(range(48)) and any("first step pages all 48" in e for e in p.events)
+    # Step 1 measured 3 GiB outside + 2 blocks in flight + 4 GiB of activations.
+    peak = 3 * GiB + 2 * int(0.55 * GiB) + 4 * GiB
+    after = p.refine(peak, first)
+    assert after is not None and len(after) < len(planned)  # the measurement leaves more room than the guess
+    assert p._estimate(peak, first, after) <= p.target
+    # A plan that pages nothing is kept as it is.
+    roomy = MemoryPlanner(budget(80), blocks, fixed_vram=3 * GiB)
+    assert roomy.probe_paged(roomy.initial_paged()) == set()
