@@ -215,3 +215,32 @@ def test_progress_shows_tensors_and_bytes(tmp_path, capsys):
     assert "load_model: 30/30 tensors" in err and "KiB" in err
     load_model(d, quantize="int8")  # not a terminal: silent
     assert "load_model:" not in capsys.readouterr().err
+
+
+def test_quantized_weights_go_to_tsd_by_default_when_one_answers(tsd, tmp_path, monkeypatch):
+    """host="auto" (the default): a tsd at the default socket gets the quantized weights (a job of
+    the load's own, alive as long as the model); without one they stay in process memory and the
+    load says why."""
+    import gc
+
+    import trainstream
+    d = saved(tmp_path, dtype=torch.bfloat16)
+    monkeypatch.setenv("TSD_SOCKET", str(tmp_path / "nobody.sock"))
+    alone = load_model(d, quantize="nf4")
+    assert alone._ts_load_info["host"] == "process" and "no tsd answered" in alone._ts_load_info["host_note"]
+    monkeypatch.setenv("TSD_SOCKET", tsd.socket)
+    model = load_model(d, quantize="nf4")
+    assert model._ts_load_info["host"] == "tsd" and "host_note" not in model._ts_load_info
+    qs = [Q.quantized_of(p) for p in model.parameters() if Q.quantized_of(p) is not None]
+    assert qs and all(q.host_block is not None for q in qs)
+    assert torch.equal(logits(model), logits(alone))
+    job = f"load-model-{os.getpid()}"
+    with trainstream.connect(socket=tsd.socket) as c:
+        [held] = [j.used_bytes for j in c.jobs() if j.name == job]
+        assert held >= sum(q.nbytes for q in qs)
+        del model, qs
+        gc.collect()
+        assert not [j for j in c.jobs() if j.name == job]  # the model went, and its session with it
+    # Not quantized: nothing to keep in tsd, no session.
+    plain = load_model(d, quantize="none")
+    assert plain._ts_load_info["host"] == "process" and not hasattr(plain, "_ts_host")

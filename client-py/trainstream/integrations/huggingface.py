@@ -136,9 +136,46 @@ def _random_like(name: str, p: torch.Tensor, dtype: torch.dtype, std: float, gen
     return torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(dtype)
 
 
+def _host_memory(host: Any, kind: Optional[str], stored: bool, quantized_bytes: int) -> tuple[Any, Optional[str]]:
+    """load_model's `host=`: the HostArena quantized weights go to (None: process memory) and,
+    for "auto" falling back to process memory, why."""
+    from ..client import Client, connect
+    from ..errors import DaemonUnavailable, TsdError
+    from ..memory import HostArena
+
+    if host is None or kind is None or stored:
+        return None, None
+    if isinstance(host, HostArena):
+        return host, None
+    if isinstance(host, Client):
+        return HostArena(host, purpose="quantized weights", advice="load_model(host=None) keeps them in process "
+                         "memory"), None
+    if not (isinstance(host, str) and host == "auto"):
+        raise ValueError(f"host must be 'auto', None, a trainstream.Client or a trainstream.memory.HostArena, "
+                         f"not {host!r}")
+    try:
+        client = connect(job=f"load-model-{os.getpid()}")
+    except DaemonUnavailable as e:
+        return None, f"no tsd answered ({e}); the quantized weights are in this process's memory"
+    try:
+        room = planner.tsd_budget(client.status(), client.jobs(), client.job, 0).tsd_available
+    except TsdError as e:
+        room, why = 0, str(e)
+    else:
+        why = f"{format_bytes(room or 0)} available to this job"
+    if room is not None and room < quantized_bytes * 1.05:
+        client.close()
+        return None, (f"tsd cannot lend the {format_bytes(quantized_bytes)} of quantized weights ({why}); they are "
+                      f"in this process's memory")
+    arena = HostArena(client, purpose="quantized weights", advice="load_model(host=None) keeps them in process memory")
+    setattr(arena, "_ts_owned_by_load", True)
+    setattr(arena, "_ts_client", client)
+    return arena, None
+
+
 def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype: Optional[torch.dtype] = None,
                random_weights: bool = False, block_size: int = 64, budget: Optional[Budget] = None,
-               budget_bytes: Optional[int] = None, ram_fraction: float = 0.9, host: Any = None,
+               budget_bytes: Optional[int] = None, ram_fraction: float = 0.9, host: Any = "auto",
                progress: Optional[bool] = None, store: Union[bool, Any] = False,
                **config_overrides: Any) -> nn.Module:
     """Loads the causal LM in `path` (a directory with config.json and .safetensors files, single
@@ -153,9 +190,14 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     checkpoint's). random_weights=True builds the architecture with random weights and reads none
     (benchmarks of bases not at hand).
     config_overrides (e.g. num_hidden_layers=2) change the config; tensors of the checkpoint the
-    smaller model has no place for are then skipped. host: a trainstream.memory.HostArena to keep
-    the quantized weights in tsd memory (default: process memory). progress: tensors and bytes on
-    stderr (default: when stderr is a terminal).
+    smaller model has no place for are then skipped.
+    host: where quantized weights live. "auto" (the default): in tsd memory when a tsd answers at
+    the default socket (`trainstream.connect()`: $TSD_SOCKET, then tsd's default path), through a
+    session of its own (job "load-model-<pid>", kept alive by the model as `_ts_host`), else in
+    this process's memory (and `_ts_load_info["host_note"]` says why, e.g. no daemon answered or
+    it could not lend the bytes); a `trainstream.Client` or a `trainstream.memory.HostArena`: in
+    that job's tsd memory (errors are raised then); None: process memory. progress: tensors and
+    bytes on stderr (default: when stderr is a terminal).
     store: True (a new `trainstream.connect()` session, job "load-model-<pid>") or an attached
     `trainstream.Client`: the weights come from a tsd weight store of the checkpoint's files
     (docs/stores.md), shared by every process on the node that loads the same checkpoint the same
@@ -285,8 +327,12 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
         wanted = [(n, kind is not None and n.endswith(".weight") and n.rpartition(".")[0] in targets) for n in read]
         st = client.open_store(shards, format=kind or "none", block_size=block_size, tensors=wanted)
 
+    q_bytes = sizes[kind] - (sizes["none"] - q_numel * _bytes_of(dtype)) if kind else 0  # codes and absmax
+    host, host_note = _host_memory(host, kind, st is not None, q_bytes)
     info: dict[str, Any] = {"quantize": kind, "quantized_tensors": 0, "prequantized_tensors": 0, "tensors": 0,
                             "bytes_read": 0, "host": "tsd" if host is not None else "process"}
+    if host_note:
+        info["host_note"] = host_note
     bar = _Progress(len(read), sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in read) if keys else 0,
                     progress)
     gen = torch.Generator().manual_seed(0)
@@ -350,6 +396,8 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
         for f in handles.values():
             f.__exit__(None, None, None)
         bar.done()
+    if host is not None and getattr(host, "_ts_owned_by_load", False):
+        setattr(model, "_ts_host", host)  # the arena and its session live as long as the model
     if st is not None:
         info["store"], info["store_built"] = st.id, st.built
         if st.built:
