@@ -253,7 +253,8 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     if a.mode in TSD_MODES:
         import trainstream
 
-        model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket, offload=True,
+        model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket,
+                                      offload=option_value(a.offload),
                                       moment_dtype=moment_dtype, param_dtype=param_dtype,
                                       activation_offload=activation_offload, param_offload=param_offload,
                                       max_grad_norm=a.clip or None)
@@ -322,7 +323,8 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         paged_blocks=(len(pager.paged) if pager is not None else 0),
         blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
         reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-        plan=[e for e in events if "plan" in e or "param_offload" in e or "activation" in e][-6:],
+        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e][-6:],
+        offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt)),
         flush=True)
@@ -376,7 +378,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
             "--clip", str(a.clip), *common, *(["--peers", a.peers] if a.peers else []),
-            *(["--param-offload", a.param_offload] if a.param_offload else []),
+            *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
 
 
@@ -391,7 +393,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
                  tsd_threads=raw.get("threads"), daemon_args=a.daemon_args,
-                 **({"param_offload": raw.get("param_offload")} if a.param_offload else {}))
+                 **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
+                 **({"offload": a.offload} if a.offload != "true" else {}))
     return w
 
 
@@ -455,6 +458,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--moment-dtype", default="auto")
     ap.add_argument("--activation-offload", default="0.25",
                     help="share of the decoder layers the *_act modes page, or auto (default 0.25)")
+    ap.add_argument("--offload", default="true",
+                    help="the tsd modes' wrap(offload=): true (default: the optimizer always in tsd) or auto (wrap's "
+                         "default: stock AdamW on the GPU after two steps when it fits, e.g. LoRA adapters)")
     ap.add_argument("--param-offload", default="",
                     help="the tsd modes' wrap(param_offload=): auto, true or a fraction (default: off)")
     ap.add_argument("--socket", default=None, help="an existing tsd (default: start build/bin/tsd)")
@@ -477,8 +483,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error("--clip and --cap-gib must be >= 0 and --sample-interval > 0")
     try:
         option_value(a.activation_offload), option_value(a.param_offload or "false")
+        if option_value(a.offload) not in (True, "auto"):
+            raise ValueError("--offload")
     except ValueError:
-        ap.error("--activation-offload and --param-offload take auto, true, false or a number")
+        ap.error("--activation-offload and --param-offload take auto, true, false or a number; --offload true or auto")
     a.modes_list, a.once_set = modes, frozenset(once)
     return a
 
