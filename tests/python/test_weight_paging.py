@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import trainstream
 from gpt import GPT, batches, loss_of, make_gpt, param_groups, train
+from trainstream.paging import schedule
 from trainstream.planner import Budget, MemoryPlanner
 from trainstream.wiring import unwrap_session
 
@@ -516,6 +517,129 @@ def test_frozen_weights_that_tsd_cannot_hold_are_refused_and_nothing_stays(tsd):
     assert not model.blocks[0]._forward_pre_hooks
 
 
+# --------------------------------------------------------------------------- prefetch depth, PCIe bytes, "auto"
+def step_trace(model, opt, s, t):
+    """One step; the pager's ("fetch"/"drop", block) events of its forward and backward."""
+    s.pager.trace = []
+    loss = loss_of(model, t)
+    loss.backward()
+    trace = list(s.pager.trace)
+    opt.step()
+    opt.zero_grad()
+    s.pager.trace = None
+    return loss.item(), trace
+
+
+@pytest.mark.parametrize("depth,checkpointing", [(1, False), (2, False), (3, False), (2, True)])
+def test_prefetch_depth_follows_the_schedule_and_changes_no_result(tsd, depth, checkpointing):
+    """prefetch_depth=1, 2, 3 (and 2 with gradient checkpointing): the pager fetches and drops
+    exactly what paging.schedule.simulate() says (depth paged blocks ahead, forward and backward
+    order; a checkpointed block kept from its recompute to its backward), never more than
+    depth + 1 blocks at once, and the results are bit-identical to an unpaged run's."""
+    paged = [0, 2, 3, 5]
+    make = (lambda: (torch.manual_seed(0), CheckpointedGPT(False, layers=6, d=32))[1]) if checkpointing else \
+        (lambda: make_gpt(0, layers=6, d=32))  # noqa: E731
+    data = batches(3)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 3, data=data)
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=paged, prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        assert s.pager.depth == depth
+        want = [e for e in schedule.simulate(6, paged, depth, recompute=checkpointing) if e[0] in ("fetch", "drop")]
+        losses = []
+        for t in data:
+            loss, trace = step_trace(model, opt, s, t)
+            losses.append(loss)
+            assert trace == want, f"depth {depth}: the pager's trace {trace} is not the schedule's {want}"
+            assert schedule.most_in_flight(trace) == depth + 1
+        pb = params_of(model)
+    finally:
+        trainstream.unwrap(model)
+    assert losses == a
+    assert_same(pb, pa, f"prefetch_depth={depth}")
+
+
+def test_prefetch_depth_option_is_checked_and_chosen(tsd):
+    model = make_gpt(0, layers=4, d=32)
+    for bad in (0, 2.5, "deep", True):
+        with pytest.raises(ValueError, match="prefetch_depth"):
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                             param_offload=True, prefetch_depth=bad)
+        assert unwrap_session(model) is None
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=[1, 2])
+    try:
+        s = unwrap_session(model)
+        assert s.pager.depth == 1  # None on a CPU device: no VRAM to choose from
+        assert any("prefetch depth 1" in e and "H2D per step" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_h2d_bytes_planned_and_measured_per_step(tsd):
+    """With accumulation a paged block crosses twice per micro-batch (the last paged one once: it
+    stays from its forward to its backward): the pager's planned bytes per step equal what it
+    measured copying, step after step."""
+    model = make_gpt(0, layers=4, d=32)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=[0, 2, 3], accumulation_steps=3)
+    s = unwrap_session(model)
+    try:
+        pager = s.pager
+        sizes = pager.block_bytes
+        assert pager.micro_batches == 3
+        assert pager.h2d_bytes_per_step == 3 * (2 * sizes[0] + 2 * sizes[2] + sizes[3])
+        assert pager.last_step_h2d_bytes is None
+        data = batches(6)
+        train(model, opt, data, 2, 3)
+        assert pager.last_step_h2d_bytes == pager.h2d_bytes_per_step
+        assert pager.h2d_bytes == 2 * pager.h2d_bytes_per_step
+        pager.unpage(0)
+        assert pager.h2d_bytes_per_step == 3 * (2 * sizes[2] + sizes[3])
+        with torch.no_grad():  # an inference forward: one crossing per paged block, none kept
+            model(data[0][:, :-1])
+        assert pager.h2d_bytes == 2 * 3 * (2 * sizes[0] + 2 * sizes[2] + sizes[3]) + sizes[2] + sizes[3]
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_auto_on_a_model_that_fits_pages_nothing_installs_no_hook_and_changes_nothing(tsd):
+    """param_offload="auto" where everything fits (here: a CPU device, nothing to plan for) pages
+    no block and installs no hook at all: the run is the param_offload=False run, bit for bit.
+    Paging a block later installs the hooks; unpaging the last one removes them again."""
+    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
+    data = batches(4)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 4, data=data, param_offload=False)
+    hooks = []
+
+    def check(k, model, s):
+        hooks.append((len(s.pager.paged), s.pager.hooks_installed, len(model._forward_pre_hooks),
+                      sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)))
+
+    b, pb, events, s = wrapped_run(tsd, make, "cpu", 4, data=data, param_offload="auto", between=check)
+    assert hooks == [(0, False, 0, 0)] * 4
+    assert b == a
+    assert_same(pb, pa, "param_offload='auto' on a model that fits")
+    assert any("pages nothing" in e for e in events), events
+
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload="auto")
+    try:
+        pager = unwrap_session(model).pager
+        assert not pager.hooks_installed
+        pager.page(1)
+        assert pager.hooks_installed and model.blocks[1]._forward_pre_hooks
+        train(model, opt, data, 1)
+        pager.unpage(1)
+        assert not pager.hooks_installed and not model.blocks[1]._forward_pre_hooks
+        train(model, opt, data[1:], 1)
+    finally:
+        trainstream.unwrap(model)
+
+
 # --------------------------------------------------------------------------- CUDA
 def cuda_pair_runs(tsd, make, steps, po, data=None, autocast=False, **kw):
     """(losses, params, session events) of an unpaged and a paged tsd run on CUDA."""
@@ -785,5 +909,65 @@ def test_cuda_watchdog_pages_a_block_when_a_later_step_grows(tsd):
         lm_steps(model, opt, tokens(1, batch=64, seq=128, device="cuda"))
         assert len(s.pager.paged) == before + 1, s.events
         assert any("memory watchdog" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(model)
+
+
+@needs_cuda
+@pytest.mark.parametrize("depth,reentrant", [(1, None), (2, None), (3, None), (2, False), (3, True)])
+def test_cuda_prefetch_depth_is_bit_identical_and_bounded(tsd, depth, reentrant):
+    """prefetch_depth=1, 2, 3 on the copy stream (and with gradient checkpointing): losses and
+    parameters equal the unpaged run's bit for bit; at most depth + 1 paged blocks are on the
+    device at once, and the measured H2D bytes of a step are the planned ones."""
+    if reentrant is None:
+        make = lambda: make_gpt(0, layers=8, d=128)  # noqa: E731
+    else:
+        make = lambda: (torch.manual_seed(0), CheckpointedGPT(reentrant, layers=8, d=128))[1]  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), _ = cuda_pair_runs(tsd, make, 5, False, data=data)
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 1, 3, 4, 6, 7],
+                                  prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        losses, most = [], 0
+        for t in data:
+            s.pager.trace = []
+            loss = loss_of(model, t)
+            loss.backward()
+            most = max(most, schedule.most_in_flight(s.pager.trace))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if reentrant is not True:  # reentrant checkpointing's forward runs without grad: no block stays
+                assert s.pager.last_step_h2d_bytes == s.pager.h2d_bytes_per_step
+        pb = params_of(model)
+    finally:
+        trainstream.unwrap(model)
+    assert most == depth + 1, f"depth {depth}: {most} blocks on the device at once"
+    assert losses == a, f"prefetch_depth={depth}: losses differ: unpaged {a} vs paged {losses}"
+    assert_same(pb, pa, f"CUDA prefetch_depth={depth} checkpointing={reentrant}")
+
+
+@needs_cuda
+def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
+    """param_offload="auto" on a model far under the VRAM: the plan pages nothing, no hook is
+    installed, the plan settles, and the run equals param_offload=False bit for bit."""
+    make = lambda: make_gpt(0, layers=6, d=128)  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), (b, pb, ev, _, moves) = cuda_pair_runs(tsd, make, 5, "auto", data=data)
+    assert moves == 0
+    assert b == a
+    assert_same(pb, pa, "CUDA param_offload='auto' that fits")
+    assert any(e.startswith("memory plan: 6 of 6 blocks resident") for e in ev), ev
+    assert any(e.startswith("memory plan settled: 6 of 6 blocks resident") for e in ev), ev
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                  socket=tsd.socket, offload=True, param_offload="auto")
+    try:
+        s = unwrap_session(model)
+        assert not s.pager.paged and not s.pager.hooks_installed
+        assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
     finally:
         trainstream.unwrap(model)

@@ -12,9 +12,10 @@ Where a paged block's weights live (`WeightPager.page(i)`):
 
 How a step goes. The block in use and `depth` prefetched ones are on the device at a time:
 
-* forward: a pre-hook on the model starts the copy of the first paged block; the pre-hook of
-  each block makes the compute stream wait for its copy (an event of the copy stream), then
-  starts the copy of the next paged block; the block's post-hook frees its weights again
+* forward: a pre-hook on the model starts the copies of the first `depth` paged blocks; the
+  pre-hook of each block makes the compute stream wait for its copy (an event of the copy
+  stream), then starts those of the next `depth` paged blocks (`wrap(prefetch_depth=)`; the
+  schedule is `paging.schedule`'s); the block's post-hook frees its weights again
   (`p.data` becomes an empty tensor; `record_stream` keeps the caching allocator from reusing the
   memory before the kernels that read it are done). The last paged block stays for backward,
   which needs it first.
@@ -25,10 +26,15 @@ How a step goes. The block in use and `depth` prefetched ones are on the device 
   activation pager's, gradient checkpointing's).
 * backward: the first `_WeightRef` of a block unpacked (or, with gradient checkpointing, the
   block's recompute) marks the block's backward as started: paged blocks above it whose backward
-  is done are freed, and the copy of the next paged block below starts. A block recomputed by
+  is done are freed, and the copies of the next `depth` paged blocks below start. A block recomputed by
   checkpointing stays on the device between its recompute and its backward. At the end of the
   backward, every block whose backward ran is freed; `after_step()` (from `finish_step()`) frees
   whatever is left, so no copy crosses a step (its slot has been updated since).
+
+Each paged block crosses PCIe twice per micro-batch (once for the last paged block, kept from
+its forward to its backward): `h2d_bytes_per_step` is that plan for an optimizer step,
+`h2d_bytes` counts what was copied and `last_step_h2d_bytes` what the last step copied. The hooks
+are in only while some block is paged: a pager that pages nothing costs nothing.
 
 Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
 unpaged one does. On `device="cpu"` the copies are plain copies (no memory is saved, every path
@@ -49,6 +55,7 @@ from torch import nn
 
 from ..memory import HostArena, HostBlock
 from ..units import format_bytes
+from . import schedule
 from .activations import dense, find_blocks
 
 if TYPE_CHECKING:
@@ -182,8 +189,8 @@ class WeightPager:
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList, session: "Session", trained: set[int],
                  name: Optional[str] = None, work: Optional[torch.dtype] = None, depth: int = 1) -> None:
-        if depth < 1:
-            raise ValueError(f"depth (paged blocks prefetched ahead) must be at least 1, not {depth}")
+        if schedule.check_depth(depth) is None:
+            raise ValueError("depth (paged blocks prefetched ahead) must be an int, not None")
         self.model, self.session, self.name = model, session, name or "blocks"
         self.trained, self.work = set(trained), work
         self.device = session.device
@@ -212,8 +219,15 @@ class WeightPager:
         self._ctx: list[bool] = []      # per running block forward: whether the pager pushed hooks
         self._tasks: set[int] = set()   # graph tasks with an end-of-backward callback queued
         self._handles: list[Any] = []
+        self._wanted = False            # install() was called: the hooks are in while a block is paged
         self.moves = 0                  # blocks copied to the device since the last reset_stats()
         self.moved_bytes = 0
+        self.h2d_bytes = 0              # bytes of paged weights copied to the device ahead of use, ever
+        self.last_step_h2d_bytes: Optional[int] = None  # those of the last optimizer step (after_step())
+        self._step_mark = 0
+        # ("fetch", i) / ("drop", i) events are appended here when it is a list (tests compare it
+        # with schedule.simulate()).
+        self.trace: Optional[list[tuple[str, int]]] = None
         self.weight_refs = 0            # saved tensors replaced by references to paged weights
         # The step's peak for the planner, and its reset: the CUDA allocator's on a GPU (None on
         # the CPU: no planning there; a test may set both).
@@ -249,6 +263,18 @@ class WeightPager:
 
     def reset_stats(self) -> None:
         self.moves = self.moved_bytes = 0
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward and backward passes per optimizer step (the session's accumulation_steps)."""
+        return max(1, int(getattr(self.session, "accumulation_steps", 1) or 1))
+
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        """The planned host-to-device bytes of paged weights per optimizer step with the blocks
+        paged now: schedule.h2d_bytes_per_step (2 crossings per paged block and micro-batch, 1
+        for the last paged block, which stays from its forward to its backward)."""
+        return schedule.h2d_bytes_per_step(self.block_bytes, self.paged, self.micro_batches)
 
     def outside_bytes(self) -> int:
         """What the model keeps on the device outside the pageable weights (parameters and
@@ -314,6 +340,8 @@ class WeightPager:
                 w.slots.paged = True
             w.param.data = self._empty(w)
         b.paged, b.loaded, b.event, b.bw_started = True, False, None, False
+        if self._wanted and not self._handles:
+            self._add_hooks()
         return True
 
     def unpage(self, i: int) -> bool:
@@ -324,6 +352,8 @@ class WeightPager:
             return False
         self._quiesce()
         self._bring_back(b, self.device)
+        if not self.paged:
+            self._remove_hooks()  # nothing paged: no hook runs (param_offload="auto" on a model that fits)
         return True
 
     def _bring_back(self, b: _Block, target: torch.device) -> None:
@@ -357,9 +387,8 @@ class WeightPager:
             self._quiesce()
         except Exception:  # the daemon is gone: the slots are still mapped, with the last values
             pass
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._remove_hooks()
+        self._wanted = False
         need = self.paged_bytes
         target = self.device
         if self.cuda and need:
@@ -385,6 +414,8 @@ class WeightPager:
             if b.paged and b.loaded:
                 self._drop(b)
             b.bw_started = False
+        self.last_step_h2d_bytes = self.h2d_bytes - self._step_mark
+        self._step_mark = self.h2d_bytes
         planner = getattr(self.session, "planner", None)
         if planner is None or self.measure is None or self.closed:
             return
@@ -447,6 +478,9 @@ class WeightPager:
         b.loaded = True
         self.moves += 1
         self.moved_bytes += b.nbytes
+        self.h2d_bytes += b.nbytes
+        if self.trace is not None:
+            self.trace.append(("fetch", b.index))
 
     def _use(self, b: _Block) -> None:
         """Before the current stream reads block `b`'s weights: it waits for their copy, and the
@@ -467,20 +501,39 @@ class WeightPager:
         if b.paged and b.loaded:
             for w in b.weights:
                 w.param.data = self._empty(w)
+            if self.trace is not None:
+                self.trace.append(("drop", b.index))
         b.loaded, b.event, b.waited = False, None, set()
 
-    def _next_paged(self, i: int, step: int) -> Optional[_Block]:
-        j = i + step
-        while 0 <= j < len(self.blocks):
-            if self.blocks[j].paged:
-                return self.blocks[j]
-            j += step
-        return None
+    def _prefetch_ahead(self, i: int, direction: int) -> None:
+        """Starts the copies of the `depth` paged blocks after block `i` in `direction`."""
+        for j in schedule.ahead(self._paged_order, i, direction, self.depth):
+            self._prefetch(self.blocks[j])
+
+    @property
+    def _paged_order(self) -> list[int]:
+        return [b.index for b in self.blocks if b.paged]
 
     # ---- hooks
     def install(self) -> None:
-        if self._handles or self.closed:
+        """Asks for the hooks: they are in while at least one block is paged (none otherwise, so a
+        run that pages nothing runs no hook)."""
+        if self.closed:
             return
+        self._wanted = True
+        if not self._handles and any(b.paged for b in self.blocks):
+            self._add_hooks()
+
+    @property
+    def hooks_installed(self) -> bool:
+        return bool(self._handles)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _add_hooks(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre))
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
@@ -491,16 +544,13 @@ class WeightPager:
     def reinstall(self) -> None:
         """Registers the hooks again, after hooks installed since (an activation pager's), so the
         saved-tensor hooks this pager pushes stay on top of theirs."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.install()
+        self._remove_hooks()
+        if self._wanted:
+            self.install()
 
     def _model_pre(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            first = self._next_paged(-1, 1)
-            if first is not None:
-                self._prefetch(first)
+            self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -510,9 +560,7 @@ class WeightPager:
             if b.paged:
                 self._use(b)
             if not backward:
-                nxt = self._next_paged(b.index, 1)
-                if nxt is not None:
-                    self._prefetch(nxt)
+                self._prefetch_ahead(b.index, 1)
             pushed = b.paged and torch.is_grad_enabled()
             if pushed:
                 self._push_hooks(b)
@@ -569,8 +617,8 @@ class WeightPager:
         return w.data.as_strided(x.size, x.stride, w.storage_offset() + x.offset)
 
     def _backward_reached(self, b: _Block) -> None:
-        """Block `b`'s backward starts: the paged blocks above it whose backward ran are freed, and
-        the copy of the next paged block below starts."""
+        """Block `b`'s backward starts: the paged blocks above it whose backward ran are freed, its
+        own copy starts if it is not on the device, then those of the `depth` paged blocks below."""
         if b.bw_started:
             return
         b.bw_started = True
@@ -581,9 +629,9 @@ class WeightPager:
         if task != -1 and task not in self._tasks:
             self._tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
-        nxt = self._next_paged(b.index, -1)
-        if nxt is not None:
-            self._prefetch(nxt)
+        if b.paged:
+            self._prefetch(b)
+        self._prefetch_ahead(b.index, -1)
 
     def _backward_done(self, task: int) -> None:
         self._tasks.discard(task)
