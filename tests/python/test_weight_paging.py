@@ -640,6 +640,86 @@ def test_auto_on_a_model_that_fits_pages_nothing_installs_no_hook_and_changes_no
         trainstream.unwrap(model)
 
 
+# --------------------------------------------------------------------------- quantized frozen blocks
+def make_qlora(layers=4, d=64, kind="nf4", device="cpu"):
+    """The test GPT with its block linears quantized (trainstream.quant) and LoRA adapters (peft)
+    on qkv and fc: only the adapters train."""
+    peft = pytest.importorskip("peft")
+    from trainstream import quant as Q
+    m = make_gpt(0, layers=layers, d=d).to(device)
+    Q.quantize_model(m, kind)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "fc"], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:  # B starts at zero: make the adapters matter from step one
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return m
+
+
+def quantized_layers(model):
+    from trainstream import quant as Q
+    return [(n, Q.quantized_of(p)) for n, p in model.named_parameters() if Q.quantized_of(p) is not None]
+
+
+def test_quantized_frozen_blocks_are_paged_and_change_no_result(tsd):
+    """An NF4 base with LoRA adapters: the paged blocks' codes and absmax live in tsd's memory
+    (the pager's region), visit the device only while used (nothing between steps, nothing kept
+    by the graph), state_dict() reads them from tsd's memory without copying, and the run equals
+    the unpaged one bit for bit; unpage() and unwrap() give the blocks back as ordinary quantized
+    weights with the same codes."""
+    from trainstream.paging.quantized import PagedQuantizedWeight
+    data = batches(4)
+    a, pa, _, _ = wrapped_run(tsd, make_qlora, "cpu", 4, data=data)
+    model = make_qlora()
+    before = {n: (q.codes.clone(), q.absmax.clone()) for n, q in quantized_layers(model)}
+    model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP),
+                                  device="cpu", socket=tsd.socket, offload=True, param_offload=[0, 2, 3],
+                                  prefetch_depth=2)
+    s = unwrap_session(model)
+    try:
+        pager = s.pager
+        assert [len(b.quants) for b in pager.blocks] == [4, 4, 4, 4]  # qkv, proj, fc, out of each block
+        paged_q = {n: q for n, q in quantized_layers(model) if isinstance(q, PagedQuantizedWeight)}
+        assert len(paged_q) == 12 and all(".blocks.1." not in n for n in paged_q)
+        assert pager.quantized_paged_bytes == sum(q.nbytes for q in paged_q.values()) > 0
+        assert pager.frozen_bytes > pager.quantized_paged_bytes  # the frozen norms and biases too
+        assert all(q.dev_codes is None and q.lease is not None for q in paged_q.values())
+        losses = []
+        for k, t in enumerate(data):
+            loss = loss_of(model, t)
+            if k == 0:  # after forward: only the last paged block stays (backward needs it first)
+                assert [q.dev_codes is not None for n, q in sorted(paged_q.items()) if n.endswith("qkv.base_layer.weight")] \
+                    == [False, False, True]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            assert all(q.dev_codes is None for q in paged_q.values()), "a paged block's codes stayed on the device"
+        assert pager.last_step_h2d_bytes == pager.h2d_bytes_per_step
+        moved = pager.h2d_bytes
+        sd = model.state_dict()
+        assert pager.h2d_bytes == moved, "state_dict() copied paged blocks to the device"
+        pb = {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+        del sd  # its paged entries are views of tsd's memory: unwrap() frees that region
+        for n, q in paged_q.items():
+            assert torch.equal(q.host_codes, before[n][0]) and torch.equal(q.host_absmax, before[n][1]), n
+        with pytest.raises(RuntimeError, match="is paged"):
+            next(iter(paged_q.values())).to(dtype=torch.float16)
+        pager.unpage(2)
+        back = dict(quantized_layers(model))
+        assert not any(isinstance(q, PagedQuantizedWeight) for n, q in back.items() if ".blocks.2." in n)
+        assert all(torch.equal(back[n].codes, before[n][0]) for n in back if ".blocks.2." in n)
+    finally:
+        trainstream.unwrap(model)
+    assert losses == a, "paging the quantized base changed the losses"
+    assert_same(pb, pa, "NF4 base paged")
+    after = dict(quantized_layers(model))
+    assert not any(isinstance(q, PagedQuantizedWeight) for q in after.values())
+    for n, (codes, absmax) in before.items():
+        assert torch.equal(after[n].codes, codes) and torch.equal(after[n].absmax, absmax), n
+
+
 # --------------------------------------------------------------------------- CUDA
 def cuda_pair_runs(tsd, make, steps, po, data=None, autocast=False, **kw):
     """(losses, params, session events) of an unpaged and a paged tsd run on CUDA."""
@@ -969,5 +1049,40 @@ def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
         s = unwrap_session(model)
         assert not s.pager.paged and not s.pager.hooks_installed
         assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
+    finally:
+        trainstream.unwrap(model)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind,depth", [("nf4", 1), ("nf4", 2), ("int8", 3)])
+def test_cuda_quantized_lora_base_paged_equals_unpaged(tsd, kind, depth):
+    """A paged NF4 (and int8) LoRA base on the GPU: codes and absmax copied ahead of use on the copy
+    stream, dequantized in the layer as unpaged; losses and parameters equal the unpaged run's bit
+    for bit; between steps no paged codes are on the device, and the measured H2D bytes are the
+    planned ones."""
+    from trainstream.paging.quantized import PagedQuantizedWeight
+    make = lambda: make_qlora(layers=6, d=128, kind=kind, device="cuda")  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), (b, pb, ev, _, moves) = cuda_pair_runs(tsd, make, 5, [0, 2, 3, 5], data=data,
+                                                             prefetch_depth=depth)
+    assert moves > 0
+    assert b == a, f"{kind} depth {depth}: losses differ: unpaged {a} vs paged {b}"
+    assert_same(pb, pa, f"CUDA {kind} base paged")
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP),
+                                  device="cuda", socket=tsd.socket, offload=True, param_offload=[0, 2, 3, 5],
+                                  prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        paged = [q for _, q in quantized_layers(model) if isinstance(q, PagedQuantizedWeight)]
+        assert len(paged) == 16
+        torch.cuda.synchronize()
+        for t in data[:2]:
+            loss = loss_of(model, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert all(q.dev_codes is None for q in paged)
+        assert s.pager.last_step_h2d_bytes == s.pager.h2d_bytes_per_step > 0
     finally:
         trainstream.unwrap(model)

@@ -54,9 +54,11 @@ import torch
 from torch import nn
 
 from ..memory import HostArena, HostBlock
+from ..quant.weight import QuantizedWeight, quantized_of
 from ..units import format_bytes
 from . import schedule
 from .activations import dense, find_blocks
+from .quantized import PagedQuantizedWeight, host_buffers, set_placeholder
 
 if TYPE_CHECKING:
     from ..engine import ParamSlots, Session
@@ -131,12 +133,31 @@ class _Weight:
         return self.host
 
 
+class _QWeight:
+    """A quantized frozen parameter of a block (trainstream.quant): `paged` is its
+    PagedQuantizedWeight while the block is paged."""
+
+    __slots__ = ("param", "name", "paged")
+
+    def __init__(self, param: nn.Parameter, name: str) -> None:
+        self.param, self.name = param, name
+        self.paged: Optional[PagedQuantizedWeight] = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.paged is not None:
+            return self.paged.nbytes
+        q = quantized_of(self.param)
+        return q.nbytes if q is not None else 0
+
+
 class _Block:
-    __slots__ = ("index", "module", "weights", "paged", "loaded", "event", "waited", "bw_started", "hooks")
+    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks")
 
     def __init__(self, index: int, module: nn.Module) -> None:
         self.index, self.module = index, module
         self.weights: list[_Weight] = []
+        self.quants: list[_QWeight] = []
         self.paged = False
         self.loaded = False                     # a paged block's weights are on the device now
         self.event: Optional[torch.cuda.Event] = None  # the copy that brought them
@@ -146,7 +167,7 @@ class _Block:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.weights)
+        return sum(w.nbytes for w in self.weights) + sum(q.nbytes for q in self.quants)
 
 
 class _WeightRef:
@@ -210,6 +231,9 @@ class WeightPager:
         self.shared = 0  # parameters used by several blocks or outside the stack: they stay resident
         for b in self.blocks:
             for pname, p in b.module.named_parameters():
+                if quantized_of(p) is not None and len(set(owners[id(p)])) == 1 and id(p) not in outside:
+                    b.quants.append(_QWeight(p, pname))
+                    continue
                 if len(set(owners[id(p)])) > 1 or id(p) in outside or p.untyped_storage().nbytes() == 0:
                     self.shared += int(p.untyped_storage().nbytes() > 0)
                     continue
@@ -254,7 +278,14 @@ class WeightPager:
     @property
     def frozen_bytes(self) -> int:
         """Bytes of frozen weights held in the pager's own region (the arena)."""
-        return sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if not w.trained)
+        return (sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if not w.trained)
+                + sum(q.nbytes for b in self.blocks if b.paged for q in b.quants
+                      if q.paged is not None and q.paged.lease is not None))
+
+    @property
+    def quantized_paged_bytes(self) -> int:
+        """Bytes of quantized frozen weights (codes and absmax) paged."""
+        return sum(q.nbytes for b in self.blocks if b.paged for q in b.quants)
 
     @property
     def trained_paged_bytes(self) -> int:
@@ -279,7 +310,8 @@ class WeightPager:
     def outside_bytes(self) -> int:
         """What the model keeps on the device outside the pageable weights (parameters and
         buffers, trained ones in their working dtype)."""
-        pageable = {id(w.param) for b in self.blocks for w in b.weights}
+        pageable = {id(w.param) for b in self.blocks for w in b.weights} | {id(q.param) for b in self.blocks
+                                                                             for q in b.quants}
         total = 0
         for p in {id(p): p for p in self.model.parameters()}.values():
             if id(p) not in pageable:
@@ -311,8 +343,14 @@ class WeightPager:
         # Every copy first; only when all of them succeeded are the device copies freed, so a
         # failure (tsd cannot lend the frozen weights' memory) leaves the block as it was.
         taken: list[HostBlock] = []
+        quants: list[tuple[_QWeight, PagedQuantizedWeight]] = []
         try:
             with torch.no_grad():
+                for qw in b.quants:
+                    q = quantized_of(qw.param)
+                    if q is None:
+                        continue  # full-precision values replaced it since (a merge): it stays resident
+                    quants.append((qw, self._page_quantized(i, q, taken)))
                 for w in b.weights:
                     p = w.param
                     if w.trained:
@@ -339,10 +377,32 @@ class WeightPager:
             if w.slots is not None:
                 w.slots.paged = True
             w.param.data = self._empty(w)
+        for qw, pq in quants:
+            qw.paged = pq
+            qw.param._ts_quantized = pq  # type: ignore[attr-defined]
+            set_placeholder(qw.param, pq, self.device)
         b.paged, b.loaded, b.event, b.bw_started = True, False, None, False
         if self._wanted and not self._handles:
             self._add_hooks()
         return True
+
+    def _page_quantized(self, i: int, q: QuantizedWeight, taken: list[HostBlock]) -> PagedQuantizedWeight:
+        """The paged copy of quantized weight `q` of block `i`: its own buffers when they are in
+        memory tsd lent (or pinned), else a block of the arena (appended to `taken`)."""
+        own = host_buffers(q)
+        if own is not None:
+            return PagedQuantizedWeight(self, i, q, own[0], own[1], None)
+        if self.arena is None:
+            self.arena = self._new_arena()
+        codes, absmax = q.codes, q.absmax
+        off = -(-codes.numel() // 16) * 16
+        block = self.arena.alloc(off + 4 * absmax.numel())
+        taken.append(block)
+        hc = block.data.narrow(0, 0, codes.numel())
+        ha = block.data.narrow(0, off, 4 * absmax.numel()).view(torch.float32)
+        hc.copy_(codes.reshape(-1))
+        ha.copy_(absmax.reshape(-1))
+        return PagedQuantizedWeight(self, i, q, hc, ha, block)
 
     def unpage(self, i: int) -> bool:
         """Brings block `i`'s weights back to the device to stay (between steps). Returns False
@@ -368,6 +428,22 @@ class WeightPager:
             elif w.block is not None:
                 w.block.release()
                 w.block, w.host = None, None
+        for qw in b.quants:
+            pq = qw.paged
+            if pq is None:
+                continue
+            with torch.no_grad():
+                codes = pq.host_codes.to(target, copy=True)
+                absmax = pq.host_absmax.to(target, copy=True)
+            back = QuantizedWeight(codes, absmax, pq.kind, pq.block_size, pq.shape, pq.dtype)
+            qw.param._ts_quantized = back  # type: ignore[attr-defined]
+            set_placeholder(qw.param, back, target)
+            # a stale reference to pq now reads the values where they are (no view of the region stays)
+            pq.pager, pq.origin, pq.host_codes, pq.host_absmax = None, None, back.codes, back.absmax
+            if pq.lease is not None:
+                pq.lease.release()
+                pq.lease = None
+            qw.paged = None
         b.paged = False
 
     def move_to(self, paged: set[int]) -> None:
@@ -414,6 +490,9 @@ class WeightPager:
             if b.paged and b.loaded:
                 self._drop(b)
             b.bw_started = False
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.host_reads = False  # a state_dict() that raised half-way
         self.last_step_h2d_bytes = self.h2d_bytes - self._step_mark
         self._step_mark = self.h2d_bytes
         planner = getattr(self.session, "planner", None)
@@ -466,6 +545,8 @@ class WeightPager:
                         t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
                         t.copy_(w.source(), non_blocking=True)
                         w.param.data = t
+                    for qw in b.quants:
+                        self._copy_quantized(qw, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 b.event = event
@@ -475,12 +556,32 @@ class WeightPager:
                     t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
                     t.copy_(w.source())
                     w.param.data = t
+                for qw in b.quants:
+                    self._copy_quantized(qw, non_blocking=False)
         b.loaded = True
         self.moves += 1
         self.moved_bytes += b.nbytes
         self.h2d_bytes += b.nbytes
         if self.trace is not None:
             self.trace.append(("fetch", b.index))
+
+    def _copy_quantized(self, qw: _QWeight, non_blocking: bool) -> None:
+        pq = qw.paged
+        if pq is None:
+            return
+        codes = torch.empty(pq.host_codes.shape, dtype=torch.uint8, device=self.device)
+        absmax = torch.empty(pq.host_absmax.shape, dtype=torch.float32, device=self.device)
+        codes.copy_(pq.host_codes, non_blocking=non_blocking)
+        absmax.copy_(pq.host_absmax, non_blocking=non_blocking)
+        pq.dev_codes, pq.dev_absmax = codes, absmax
+
+    def _quantized_use(self, pq: PagedQuantizedWeight) -> None:
+        """A paged quantized weight's buffers are read (its layer dequantizes): in backward, its
+        block's backward starts; its copy must be on the device and waited for."""
+        b = self.blocks[pq.index]
+        if _in_backward():
+            self._backward_reached(b)
+        self._use(b)
 
     def _use(self, b: _Block) -> None:
         """Before the current stream reads block `b`'s weights: it waits for their copy, and the
@@ -495,12 +596,19 @@ class WeightPager:
                 cur.wait_event(b.event)
                 for w in b.weights:
                     w.param.data.record_stream(cur)
+                for qw in b.quants:
+                    if qw.paged is not None and qw.paged.dev_codes is not None and qw.paged.dev_absmax is not None:
+                        qw.paged.dev_codes.record_stream(cur)
+                        qw.paged.dev_absmax.record_stream(cur)
                 b.waited.add(cur.cuda_stream)
 
     def _drop(self, b: _Block) -> None:
         if b.paged and b.loaded:
             for w in b.weights:
                 w.param.data = self._empty(w)
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.dev_codes = qw.paged.dev_absmax = None
             if self.trace is not None:
                 self.trace.append(("drop", b.index))
         b.loaded, b.event, b.waited = False, None, set()
@@ -538,6 +646,7 @@ class WeightPager:
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
             self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
+            self._handles.append(b.module.register_state_dict_pre_hook(self._state_dict_pre_hook(b)))
             self._handles.append(b.module._register_state_dict_hook(self._state_dict_hook(b)))
             self._handles.append(b.module.register_load_state_dict_pre_hook(self._load_hook(b)))
 
@@ -641,8 +750,18 @@ class WeightPager:
                 b.bw_started = False
 
     # ---- state_dict
+    def _state_dict_pre_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            for qw in b.quants:  # their layers save codes and absmax from tsd's memory: nothing visits the device
+                if qw.paged is not None:
+                    qw.paged.host_reads = True
+        return hook
+
     def _state_dict_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.host_reads = False
             if b.paged and not b.loaded:
                 for w in b.weights:
                     if prefix + w.name in state_dict:
@@ -651,7 +770,8 @@ class WeightPager:
 
     def _load_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
-            if b.paged and any(prefix + w.name in state_dict for w in b.weights):
+            names = [w.name for w in b.weights] + [q.name for q in b.quants]
+            if b.paged and any(prefix + n in state_dict for n in names):
                 raise RuntimeError(f"block {b.index} of {self.name} is paged (its weights live in tsd's memory): "
                                    f"call unwrap_session(model).pager.unpage({b.index}) before load_state_dict(), or "
                                    f"load the state before trainstream.wrap()")
