@@ -146,6 +146,8 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     blockplan.MemoryPlanner (`session.planner`), which refines the plan from the first steps."""
     found = weight_blocks(model, prep.opts["param_offload"])
     if found is None:
+        if prep.opts["param_offload"] == "auto":
+            session.events.append("param_offload='auto': pages nothing (the model has no repeated block stack)")
         return []
     name, blocks = found
     option = prep.opts["param_offload"]

@@ -361,6 +361,15 @@ def test_param_offload_options_are_checked(tsd):
                               param_offload=[0])
     assert trainstream.unwrap_session(model) is None  # nothing was wrapped
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    # "auto" (a candidate default) takes a model without a block stack: nothing to page, no pager.
+    seq, seq_opt = trainstream.wrap(seq, torch.optim.AdamW(seq.parameters()), device="cpu", socket=tsd.socket,
+                                    param_offload="auto")
+    try:
+        s = unwrap_session(seq)
+        assert s.pager is None
+        assert any("pages nothing (the model has no repeated block stack)" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(seq)
     # On the CPU there is no VRAM to plan for: "auto" pages nothing, and says so.
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_offload="auto")
     s = unwrap_session(model)
@@ -1060,7 +1069,10 @@ def test_cuda_quantized_lora_base_paged_equals_unpaged(tsd, kind, depth):
     stream, dequantized in the layer as unpaged; losses and parameters equal the unpaged run's bit
     for bit; between steps no paged codes are on the device, and the measured H2D bytes are the
     planned ones."""
+    from trainstream import quant as Q
     from trainstream.paging.quantized import PagedQuantizedWeight
+    if not Q.has_cuda_kernels():
+        pytest.skip("libtsd_quant was built without its CUDA kernels (configure with CUDA to build kernels/cuda)")
     make = lambda: make_qlora(layers=6, d=128, kind=kind, device="cuda")  # noqa: E731
     data = batches(5, batch=8, device="cuda")
     (a, pa, _, _, _), (b, pb, ev, _, moves) = cuda_pair_runs(tsd, make, 5, [0, 2, 3, 5], data=data,

@@ -89,12 +89,15 @@ def check_param_offload(option: Any) -> None:
 
 
 def weight_blocks(model: nn.Module, option: Any) -> Optional[tuple[Optional[str], nn.ModuleList]]:
-    """The block stack `param_offload=option` pages (None when it is off); refuses a model that has
-    none, and block indices out of its range."""
+    """The block stack `param_offload=option` pages (None when it is off, or "auto" on a model
+    without one); refuses a model that has none for an explicit choice, and block indices out of
+    its range."""
     check_param_offload(option)
     if option is False or option is None:
         return None
     name, blocks = find_blocks(model)
+    if blocks is None and isinstance(option, str):
+        return None  # "auto": nothing to page in a model without a block stack (nothing needs paging either)
     if blocks is None:
         raise ValueError(f"{REQUIREMENT}, and this {type(model).__name__} has none; pass param_offload=False (the "
                          f"weights then stay on the device; param_dtype=torch.bfloat16 halves them)")
