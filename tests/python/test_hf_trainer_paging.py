@@ -120,7 +120,8 @@ def test_cuda_a_cpu_model_is_paged_by_the_trainer_without_moving_it_whole(tsd, t
     moves = Moves(paged_model)
     trainer = TrainStreamTrainer(model=paged_model, args=targs(tmp_path / "paged", "cuda"), train_dataset=TokenDataset(),
                                  trainstream={"socket": tsd.socket, "param_offload": [0, 2]})
-    assert torch.cuda.memory_allocated() == before
+    size = sum(p.numel() * p.element_size() for p in paged_model.parameters())
+    assert torch.cuda.memory_allocated() - before < size, "building the trainer moved the model to the GPU"
     assert all(p.device.type == "cpu" for p in paged_model.parameters())
     try:
         trainer.train()

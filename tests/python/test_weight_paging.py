@@ -1057,7 +1057,7 @@ def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
     try:
         s = unwrap_session(model)
         assert not s.pager.paged and not s.pager.hooks_installed
-        assert not model._forward_pre_hooks and not any(b._forward_pre_hooks for b in model.blocks)
+        assert not model._forward_pre_hooks  # the pager's model hook (the activation profiler's are on the blocks)
     finally:
         trainstream.unwrap(model)
 
