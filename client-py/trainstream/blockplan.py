@@ -21,13 +21,17 @@ pager (`trainstream.paging.weights`) asks it three things:
 * `watch(peak, paged)`: once settled, the watchdog: when a later step peaks over the target (a
   longer sequence, a larger batch), it pages one more block per step.
 
-Every decision is appended to `events` as a sentence (the session moves them to its own log).
+Every decision is appended to `events` as a sentence (the session moves them to its own log),
+with the PCIe traffic the plan costs: `h2d_bytes_per_step(paged)`, each paged block's crossings
+per micro-batch (`paging.schedule.crossings`: forward and backward, once for the last paged
+block) times its bytes times the micro-batches of an optimizer step (accumulation_steps).
 """
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from .paging import schedule
 from .units import block_ranges, format_bytes
 
 if TYPE_CHECKING:  # planner.py re-exports this module's names: no import of it at load time
@@ -59,17 +63,20 @@ class MemoryPlanner:
     """Decides which blocks are paged; see the module docstring. `block_bytes[i]` is the VRAM
     block i's weights take when resident; `fixed_vram` what the run holds outside the blocks;
     `inflight_bytes` what is in flight besides (gradients on their way to tsd); `depth` how many
-    paged blocks are prefetched ahead of the one in use. `done` is True once the plan settled
-    (settable: a test or a caller may declare it settled). `steady` counts steady steps."""
+    paged blocks are prefetched ahead of the one in use; `micro_batches` the forward and backward
+    passes per optimizer step. `done` is True once the plan settled (settable: a test or a
+    caller may declare it settled). `steady` counts steady steps."""
 
     def __init__(self, budget: "Budget", block_bytes: Sequence[int], fixed_vram: int = 0, inflight_bytes: int = 0,
-                 depth: int = 1) -> None:
+                 depth: int = 1, micro_batches: int = 1) -> None:
         if not block_bytes:
             raise ValueError("the planner needs the bytes of at least one block")
         if any(int(b) < 0 for b in block_bytes) or fixed_vram < 0 or inflight_bytes < 0:
             raise ValueError("block_bytes, fixed_vram and inflight_bytes are bytes (>= 0)")
         if depth < 1:
             raise ValueError(f"depth (paged blocks prefetched ahead) must be at least 1, not {depth}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches (accumulation_steps) must be a whole number >= 1, not {micro_batches!r}")
         from .planner import VRAM_HEADROOM
 
         limits = [x for x in (budget.vram_usable,
@@ -83,6 +90,7 @@ class MemoryPlanner:
         self.fixed_vram = int(fixed_vram)
         self.inflight_bytes = int(inflight_bytes)
         self.depth = int(depth)
+        self.micro_batches = micro_batches
         self.target = self.usable - round(self.usable * MARGIN)
         self.done = False
         self.steady = 0
@@ -105,10 +113,20 @@ class MemoryPlanner:
     def resident_bytes(self, paged: set[int]) -> int:
         return sum(b for i, b in enumerate(self.block_bytes) if i not in paged)
 
+    def h2d_bytes_per_step(self, paged: set[int]) -> int:
+        """PCIe bytes (host to device) per optimizer step with `paged` paged."""
+        return schedule.h2d_bytes_per_step(self.block_bytes, paged, self.micro_batches)
+
     def describe(self, paged: set[int]) -> str:
         n = self.count
-        return (f"{n - len(paged)} of {n} blocks resident ({format_bytes(self.resident_bytes(paged))}), "
-                f"{len(paged)} paged{' (' + block_ranges(sorted(paged)) + ')' if paged else ''}")
+        out = (f"{n - len(paged)} of {n} blocks resident ({format_bytes(self.resident_bytes(paged))}), "
+               f"{len(paged)} paged{' (' + block_ranges(sorted(paged)) + ')' if paged else ''}")
+        if paged:
+            per_mb = schedule.h2d_bytes_per_micro_batch(self.block_bytes, paged)
+            out += (f", {format_bytes(self.h2d_bytes_per_step(paged))} H2D per step ({format_bytes(per_mb)} per "
+                    f"micro-batch x {self.micro_batches}: 2 crossings per paged block, 1 for the last; prefetch "
+                    f"depth {self.depth})")
+        return out
 
     # ---- decisions
     def initial_paged(self) -> set[int]:

@@ -34,6 +34,7 @@ from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
 from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
+from .paging.schedule import check_depth, choose_depth
 from .paging.weights import WeightPager, check_param_offload, weight_blocks
 from .blockplan import MemoryPlanner, fraction_paged
 from .planner import Budget, Plan
@@ -48,7 +49,7 @@ _jobs = itertools.count()
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
-    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
+    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None}
 
 
 @dataclasses.dataclass
@@ -87,6 +88,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"wrap() got unknown options {sorted(unknown)}; it takes {sorted(OPTIONS)}")
     out = dict(OPTIONS, **options)
     check_param_offload(out["param_offload"])
+    check_depth(out["prefetch_depth"])
     check_wrap_options(out)
     if out["offload"] not in (True, "auto"):
         raise ValueError(f"offload must be True or 'auto', not {out['offload']!r} (without offloading, skip wrap())")
@@ -144,10 +146,15 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     blockplan.MemoryPlanner (`session.planner`), which refines the plan from the first steps."""
     found = weight_blocks(model, prep.opts["param_offload"])
     if found is None:
+        if prep.opts["param_offload"] == "auto":
+            session.events.append("param_offload='auto': pages nothing (the model has no repeated block stack)")
         return []
     name, blocks = found
     option = prep.opts["param_offload"]
     pager = WeightPager(model, blocks, session, trained={id(p) for p, _, _ in prep.buckets}, name=name, work=prep.work)
+    depth = prep.opts["prefetch_depth"]
+    pager.depth = depth if depth is not None else choose_depth(pager.block_bytes,
+                                                               budget.vram_usable if session.cuda else None)
     session.pager = pager
     first = _explicit_paged(option, len(blocks))
     if first is not None:
@@ -160,7 +167,8 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
                     if t.device == session.device)
     fixed = max(0, used - on_device) + pager.outside_bytes()
     session.planner = MemoryPlanner(budget, pager.block_bytes, fixed_vram=fixed,
-                                    inflight_bytes=pager.largest_trained_block())
+                                    inflight_bytes=pager.largest_trained_block(), depth=pager.depth,
+                                    micro_batches=pager.micro_batches)
     first = sorted(session.planner.probe_paged(session.planner.initial_paged()))
     session.events.extend(session.planner.take_events())
     return first
@@ -179,7 +187,8 @@ def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int
         f"param_offload={opts['param_offload']!r}: the weights of blocks {block_ranges(sorted(pager.paged)) or 'none'} of "
         f"{pager.name} ({len(pager.paged)} of {len(pager.blocks)}) are paged from tsd's memory: "
         f"{format_bytes(pager.trained_paged_bytes)} trained (their parameter slots), "
-        f"{format_bytes(pager.frozen_bytes)} frozen (a region of their own)"
+        f"{format_bytes(pager.frozen_bytes)} frozen (a region of their own); prefetch depth {pager.depth}, "
+        f"{format_bytes(pager.h2d_bytes_per_step)} H2D per step"
         f"{'; offload=auto keeps offloading' if opts['offload'] == 'auto' else ''}")
 
 
@@ -310,7 +319,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
-    masters; unwrap() gives them back in their own dtype with the masters' values).
+    masters; unwrap() gives them back in their own dtype with the masters' values),
+    param_offload=False | "auto" | True | fraction | [block indices] (weight paging), prefetch_depth=None
+    (paged blocks copied ahead of the one in use: None chooses 1 to 3 from the VRAM) | int.
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)

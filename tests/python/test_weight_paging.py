@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import trainstream
 from gpt import GPT, batches, loss_of, make_gpt, param_groups, train
+from trainstream.paging import schedule
 from trainstream.planner import Budget, MemoryPlanner
 from trainstream.wiring import unwrap_session
 
@@ -360,6 +361,15 @@ def test_param_offload_options_are_checked(tsd):
                               param_offload=[0])
     assert trainstream.unwrap_session(model) is None  # nothing was wrapped
     assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    # "auto" (a candidate default) takes a model without a block stack: nothing to page, no pager.
+    seq, seq_opt = trainstream.wrap(seq, torch.optim.AdamW(seq.parameters()), device="cpu", socket=tsd.socket,
+                                    param_offload="auto")
+    try:
+        s = unwrap_session(seq)
+        assert s.pager is None
+        assert any("pages nothing (the model has no repeated block stack)" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(seq)
     # On the CPU there is no VRAM to plan for: "auto" pages nothing, and says so.
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_offload="auto")
     s = unwrap_session(model)
@@ -514,6 +524,209 @@ def test_frozen_weights_that_tsd_cannot_hold_are_refused_and_nothing_stays(tsd):
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not model.blocks[0]._forward_pre_hooks
+
+
+# --------------------------------------------------------------------------- prefetch depth, PCIe bytes, "auto"
+def step_trace(model, opt, s, t):
+    """One step; the pager's ("fetch"/"drop", block) events of its forward and backward."""
+    s.pager.trace = []
+    loss = loss_of(model, t)
+    loss.backward()
+    trace = list(s.pager.trace)
+    opt.step()
+    opt.zero_grad()
+    s.pager.trace = None
+    return loss.item(), trace
+
+
+@pytest.mark.parametrize("depth,checkpointing", [(1, False), (2, False), (3, False), (2, True)])
+def test_prefetch_depth_follows_the_schedule_and_changes_no_result(tsd, depth, checkpointing):
+    """prefetch_depth=1, 2, 3 (and 2 with gradient checkpointing): the pager fetches and drops
+    exactly what paging.schedule.simulate() says (depth paged blocks ahead, forward and backward
+    order; a checkpointed block kept from its recompute to its backward), never more than
+    depth + 1 blocks at once, and the results are bit-identical to an unpaged run's."""
+    paged = [0, 2, 3, 5]
+    make = (lambda: (torch.manual_seed(0), CheckpointedGPT(False, layers=6, d=32))[1]) if checkpointing else \
+        (lambda: make_gpt(0, layers=6, d=32))  # noqa: E731
+    data = batches(3)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 3, data=data)
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=paged, prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        assert s.pager.depth == depth
+        want = [e for e in schedule.simulate(6, paged, depth, recompute=checkpointing) if e[0] in ("fetch", "drop")]
+        losses = []
+        for t in data:
+            loss, trace = step_trace(model, opt, s, t)
+            losses.append(loss)
+            assert trace == want, f"depth {depth}: the pager's trace {trace} is not the schedule's {want}"
+            assert schedule.most_in_flight(trace) == depth + 1
+        pb = params_of(model)
+    finally:
+        trainstream.unwrap(model)
+    assert losses == a
+    assert_same(pb, pa, f"prefetch_depth={depth}")
+
+
+def test_prefetch_depth_option_is_checked_and_chosen(tsd):
+    model = make_gpt(0, layers=4, d=32)
+    for bad in (0, 2.5, "deep", True):
+        with pytest.raises(ValueError, match="prefetch_depth"):
+            trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                             param_offload=True, prefetch_depth=bad)
+        assert unwrap_session(model) is None
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=[1, 2])
+    try:
+        s = unwrap_session(model)
+        assert s.pager.depth == 1  # None on a CPU device: no VRAM to choose from
+        assert any("prefetch depth 1" in e and "H2D per step" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_h2d_bytes_planned_and_measured_per_step(tsd):
+    """With accumulation a paged block crosses twice per micro-batch (the last paged one once: it
+    stays from its forward to its backward): the pager's planned bytes per step equal what it
+    measured copying, step after step."""
+    model = make_gpt(0, layers=4, d=32)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=[0, 2, 3], accumulation_steps=3)
+    s = unwrap_session(model)
+    try:
+        pager = s.pager
+        sizes = pager.block_bytes
+        assert pager.micro_batches == 3
+        assert pager.h2d_bytes_per_step == 3 * (2 * sizes[0] + 2 * sizes[2] + sizes[3])
+        assert pager.last_step_h2d_bytes is None
+        data = batches(6)
+        train(model, opt, data, 2, 3)
+        assert pager.last_step_h2d_bytes == pager.h2d_bytes_per_step
+        assert pager.h2d_bytes == 2 * pager.h2d_bytes_per_step
+        pager.unpage(0)
+        assert pager.h2d_bytes_per_step == 3 * (2 * sizes[2] + sizes[3])
+        with torch.no_grad():  # an inference forward: one crossing per paged block, none kept
+            model(data[0][:, :-1])
+        assert pager.h2d_bytes == 2 * 3 * (2 * sizes[0] + 2 * sizes[2] + sizes[3]) + sizes[2] + sizes[3]
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_auto_on_a_model_that_fits_pages_nothing_installs_no_hook_and_changes_nothing(tsd):
+    """param_offload="auto" where everything fits (here: a CPU device, nothing to plan for) pages
+    no block and installs no hook at all: the run is the param_offload=False run, bit for bit.
+    Paging a block later installs the hooks; unpaging the last one removes them again."""
+    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
+    data = batches(4)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 4, data=data, param_offload=False)
+    hooks = []
+
+    def check(k, model, s):
+        hooks.append((len(s.pager.paged), s.pager.hooks_installed, len(model._forward_pre_hooks),
+                      sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks)))
+
+    b, pb, events, s = wrapped_run(tsd, make, "cpu", 4, data=data, param_offload="auto", between=check)
+    assert hooks == [(0, False, 0, 0)] * 4
+    assert b == a
+    assert_same(pb, pa, "param_offload='auto' on a model that fits")
+    assert any("pages nothing" in e for e in events), events
+
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload="auto")
+    try:
+        pager = unwrap_session(model).pager
+        assert not pager.hooks_installed
+        pager.page(1)
+        assert pager.hooks_installed and model.blocks[1]._forward_pre_hooks
+        train(model, opt, data, 1)
+        pager.unpage(1)
+        assert not pager.hooks_installed and not model.blocks[1]._forward_pre_hooks
+        train(model, opt, data[1:], 1)
+    finally:
+        trainstream.unwrap(model)
+
+
+# --------------------------------------------------------------------------- quantized frozen blocks
+def make_qlora(layers=4, d=64, kind="nf4", device="cpu"):
+    """The test GPT with its block linears quantized (trainstream.quant) and LoRA adapters (peft)
+    on qkv and fc: only the adapters train."""
+    peft = pytest.importorskip("peft")
+    from trainstream import quant as Q
+    m = make_gpt(0, layers=layers, d=d).to(device)
+    Q.quantize_model(m, kind)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "fc"], lora_dropout=0.0))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:  # B starts at zero: make the adapters matter from step one
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return m
+
+
+def quantized_layers(model):
+    from trainstream import quant as Q
+    return [(n, Q.quantized_of(p)) for n, p in model.named_parameters() if Q.quantized_of(p) is not None]
+
+
+def test_quantized_frozen_blocks_are_paged_and_change_no_result(tsd):
+    """An NF4 base with LoRA adapters: the paged blocks' codes and absmax live in tsd's memory
+    (the pager's region), visit the device only while used (nothing between steps, nothing kept
+    by the graph), state_dict() reads them from tsd's memory without copying, and the run equals
+    the unpaged one bit for bit; unpage() and unwrap() give the blocks back as ordinary quantized
+    weights with the same codes."""
+    from trainstream.paging.quantized import PagedQuantizedWeight
+    data = batches(4)
+    a, pa, _, _ = wrapped_run(tsd, make_qlora, "cpu", 4, data=data)
+    model = make_qlora()
+    before = {n: (q.codes.clone(), q.absmax.clone()) for n, q in quantized_layers(model)}
+    model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP),
+                                  device="cpu", socket=tsd.socket, offload=True, param_offload=[0, 2, 3],
+                                  prefetch_depth=2)
+    s = unwrap_session(model)
+    try:
+        pager = s.pager
+        assert [len(b.quants) for b in pager.blocks] == [4, 4, 4, 4]  # qkv, proj, fc, out of each block
+        paged_q = {n: q for n, q in quantized_layers(model) if isinstance(q, PagedQuantizedWeight)}
+        assert len(paged_q) == 12 and all(".blocks.1." not in n for n in paged_q)
+        assert pager.quantized_paged_bytes == sum(q.nbytes for q in paged_q.values()) > 0
+        assert pager.frozen_bytes > pager.quantized_paged_bytes  # the frozen norms and biases too
+        assert all(q.dev_codes is None and q.lease is not None for q in paged_q.values())
+        losses = []
+        for k, t in enumerate(data):
+            loss = loss_of(model, t)
+            if k == 0:  # after forward: only the last paged block stays (backward needs it first)
+                assert [q.dev_codes is not None for n, q in sorted(paged_q.items()) if n.endswith("qkv.base_layer.weight")] \
+                    == [False, False, True]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            assert all(q.dev_codes is None for q in paged_q.values()), "a paged block's codes stayed on the device"
+        assert pager.last_step_h2d_bytes == pager.h2d_bytes_per_step
+        moved = pager.h2d_bytes
+        sd = model.state_dict()
+        assert pager.h2d_bytes == moved, "state_dict() copied paged blocks to the device"
+        pb = {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+        del sd  # its paged entries are views of tsd's memory: unwrap() frees that region
+        for n, q in paged_q.items():
+            assert torch.equal(q.host_codes, before[n][0]) and torch.equal(q.host_absmax, before[n][1]), n
+        with pytest.raises(RuntimeError, match="is paged"):
+            next(iter(paged_q.values())).to(dtype=torch.float16)
+        pager.unpage(2)
+        back = dict(quantized_layers(model))
+        assert not any(isinstance(q, PagedQuantizedWeight) for n, q in back.items() if ".blocks.2." in n)
+        assert all(torch.equal(back[n].codes, before[n][0]) for n in back if ".blocks.2." in n)
+    finally:
+        trainstream.unwrap(model)
+    assert losses == a, "paging the quantized base changed the losses"
+    assert_same(pb, pa, "NF4 base paged")
+    after = dict(quantized_layers(model))
+    assert not any(isinstance(q, PagedQuantizedWeight) for q in after.values())
+    for n, (codes, absmax) in before.items():
+        assert torch.equal(after[n].codes, codes) and torch.equal(after[n].absmax, absmax), n
 
 
 # --------------------------------------------------------------------------- CUDA
@@ -785,5 +998,103 @@ def test_cuda_watchdog_pages_a_block_when_a_later_step_grows(tsd):
         lm_steps(model, opt, tokens(1, batch=64, seq=128, device="cuda"))
         assert len(s.pager.paged) == before + 1, s.events
         assert any("memory watchdog" in e for e in s.events), s.events
+    finally:
+        trainstream.unwrap(model)
+
+
+@needs_cuda
+@pytest.mark.parametrize("depth,reentrant", [(1, None), (2, None), (3, None), (2, False), (3, True)])
+def test_cuda_prefetch_depth_is_bit_identical_and_bounded(tsd, depth, reentrant):
+    """prefetch_depth=1, 2, 3 on the copy stream (and with gradient checkpointing): losses and
+    parameters equal the unpaged run's bit for bit; at most depth + 1 paged blocks are on the
+    device at once, and the measured H2D bytes of a step are the planned ones."""
+    if reentrant is None:
+        make = lambda: make_gpt(0, layers=8, d=128)  # noqa: E731
+    else:
+        make = lambda: (torch.manual_seed(0), CheckpointedGPT(reentrant, layers=8, d=128))[1]  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), _ = cuda_pair_runs(tsd, make, 5, False, data=data)
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 1, 3, 4, 6, 7],
+                                  prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        losses, most = [], 0
+        for t in data:
+            s.pager.trace = []
+            loss = loss_of(model, t)
+            loss.backward()
+            most = max(most, schedule.most_in_flight(s.pager.trace))
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if reentrant is not True:  # reentrant checkpointing's forward runs without grad: no block stays
+                assert s.pager.last_step_h2d_bytes == s.pager.h2d_bytes_per_step
+        pb = params_of(model)
+    finally:
+        trainstream.unwrap(model)
+    assert most == depth + 1, f"depth {depth}: {most} blocks on the device at once"
+    assert losses == a, f"prefetch_depth={depth}: losses differ: unpaged {a} vs paged {losses}"
+    assert_same(pb, pa, f"CUDA prefetch_depth={depth} checkpointing={reentrant}")
+
+
+@needs_cuda
+def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
+    """param_offload="auto" on a model far under the VRAM: the plan pages nothing, no hook is
+    installed, the plan settles, and the run equals param_offload=False bit for bit."""
+    make = lambda: make_gpt(0, layers=6, d=128)  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), (b, pb, ev, _, moves) = cuda_pair_runs(tsd, make, 5, "auto", data=data)
+    assert moves == 0
+    assert b == a
+    assert_same(pb, pa, "CUDA param_offload='auto' that fits")
+    assert any(e.startswith("memory plan: 6 of 6 blocks resident") for e in ev), ev
+    assert any(e.startswith("memory plan settled: 6 of 6 blocks resident") for e in ev), ev
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                  socket=tsd.socket, offload=True, param_offload="auto")
+    try:
+        s = unwrap_session(model)
+        assert not s.pager.paged and not s.pager.hooks_installed
+        assert not model._forward_pre_hooks  # the pager's model hook (the activation profiler's are on the blocks)
+    finally:
+        trainstream.unwrap(model)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind,depth", [("nf4", 1), ("nf4", 2), ("int8", 3)])
+def test_cuda_quantized_lora_base_paged_equals_unpaged(tsd, kind, depth):
+    """A paged NF4 (and int8) LoRA base on the GPU: codes and absmax copied ahead of use on the copy
+    stream, dequantized in the layer as unpaged; losses and parameters equal the unpaged run's bit
+    for bit; between steps no paged codes are on the device, and the measured H2D bytes are the
+    planned ones."""
+    from trainstream import quant as Q
+    from trainstream.paging.quantized import PagedQuantizedWeight
+    if not Q.has_cuda_kernels():
+        pytest.skip("libtsd_quant was built without its CUDA kernels (configure with CUDA to build kernels/cuda)")
+    make = lambda: make_qlora(layers=6, d=128, kind=kind, device="cuda")  # noqa: E731
+    data = batches(5, batch=8, device="cuda")
+    (a, pa, _, _, _), (b, pb, ev, _, moves) = cuda_pair_runs(tsd, make, 5, [0, 2, 3, 5], data=data,
+                                                             prefetch_depth=depth)
+    assert moves > 0
+    assert b == a, f"{kind} depth {depth}: losses differ: unpaged {a} vs paged {b}"
+    assert_same(pb, pa, f"CUDA {kind} base paged")
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP),
+                                  device="cuda", socket=tsd.socket, offload=True, param_offload=[0, 2, 3, 5],
+                                  prefetch_depth=depth)
+    s = unwrap_session(model)
+    try:
+        paged = [q for _, q in quantized_layers(model) if isinstance(q, PagedQuantizedWeight)]
+        assert len(paged) == 16
+        torch.cuda.synchronize()
+        for t in data[:2]:
+            loss = loss_of(model, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert all(q.dev_codes is None for q in paged)
+        assert s.pager.last_step_h2d_bytes == s.pager.h2d_bytes_per_step > 0
     finally:
         trainstream.unwrap(model)

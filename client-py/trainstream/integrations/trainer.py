@@ -23,6 +23,12 @@ with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, 
   streams it back. A stock Trainer checkpoint (`optimizer.pt`) is loaded too.
 * tsd's events (`Session.events`: the plan, the moment dtype, activation paging, the switch to
   stock AdamW) go into Trainer's logs under the key "trainstream".
+* Weight paging (`trainstream={"param_offload": "auto"}`, or True, a fraction, block indices): a
+  model passed on the CPU stays there until training starts, so a model too big for the GPU is
+  never moved to it whole: Trainer's `_move_model_to_device` and accelerate's placement of the
+  model are skipped, and `wrap()` moves the resident blocks and pages the rest (inputs still go
+  to `args.device`). Evaluate or predict after `train()` has started (before it, the model is
+  still where it was passed).
 
 The hooks used (`_clip_grad_norm`, `_get_grad_norm`, `_maybe_log_save_evaluate`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) are those of transformers 5.
@@ -181,6 +187,11 @@ def _load_state(opt: TsdAdamW, path: str) -> None:
         os.close(fd)
 
 
+def _device_of(model: nn.Module) -> str:
+    devices = sorted({str(p.device) for p in model.parameters()})
+    return ", ".join(devices) or "no device"
+
+
 class TrainStreamMixin(_Base):
     """The TrainStream integration for any `transformers.Trainer` subclass: put it first,
     `class MyTrainer(TrainStreamMixin, SomeTrainer)`, and pass `trainstream={...}` (wrap()
@@ -200,6 +211,9 @@ class TrainStreamMixin(_Base):
         optimizers = kwargs.get("optimizers")
         if isinstance(optimizers, tuple) and optimizers and optimizers[0] is not None:
             check_optimizer(_inner(optimizers[0]))
+        po = options.get("param_offload", OPTIONS["param_offload"])
+        # Read by _move_model_to_device, which Trainer.__init__ calls.
+        self._tsd_pages_weights = po is not None and po is not False
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if self.optimizer is not None:
@@ -213,6 +227,21 @@ class TrainStreamMixin(_Base):
         # The Trainer's default is offload=True: checkpoints and grad_norm are then always tsd's.
         self.trainstream_options: dict[str, Any] = {"offload": True, **options}
         self._tsd_events_logged = 0
+
+    # ---- placement: with weight paging, wrap() places the model
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if getattr(self, "_tsd_pages_weights", False):
+            logger.info("trainstream: param_offload is on: the model stays on %s until training starts; wrap() moves "
+                        "its resident blocks to %s and pages the others", _device_of(model), device)
+            return
+        super()._move_model_to_device(model, device)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if getattr(self, "_tsd_pages_weights", False):
+            # accelerate's prepare() would move the whole model to the device (and round-trip the
+            # optimizer's state); Trainer moves each batch to args.device itself.
+            self.accelerator.device_placement = False
 
     # ---- the optimizer
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:

@@ -12,9 +12,10 @@ Where a paged block's weights live (`WeightPager.page(i)`):
 
 How a step goes. The block in use and `depth` prefetched ones are on the device at a time:
 
-* forward: a pre-hook on the model starts the copy of the first paged block; the pre-hook of
-  each block makes the compute stream wait for its copy (an event of the copy stream), then
-  starts the copy of the next paged block; the block's post-hook frees its weights again
+* forward: a pre-hook on the model starts the copies of the first `depth` paged blocks; the
+  pre-hook of each block makes the compute stream wait for its copy (an event of the copy
+  stream), then starts those of the next `depth` paged blocks (`wrap(prefetch_depth=)`; the
+  schedule is `paging.schedule`'s); the block's post-hook frees its weights again
   (`p.data` becomes an empty tensor; `record_stream` keeps the caching allocator from reusing the
   memory before the kernels that read it are done). The last paged block stays for backward,
   which needs it first.
@@ -25,10 +26,15 @@ How a step goes. The block in use and `depth` prefetched ones are on the device 
   activation pager's, gradient checkpointing's).
 * backward: the first `_WeightRef` of a block unpacked (or, with gradient checkpointing, the
   block's recompute) marks the block's backward as started: paged blocks above it whose backward
-  is done are freed, and the copy of the next paged block below starts. A block recomputed by
+  is done are freed, and the copies of the next `depth` paged blocks below start. A block recomputed by
   checkpointing stays on the device between its recompute and its backward. At the end of the
   backward, every block whose backward ran is freed; `after_step()` (from `finish_step()`) frees
   whatever is left, so no copy crosses a step (its slot has been updated since).
+
+Each paged block crosses PCIe twice per micro-batch (once for the last paged block, kept from
+its forward to its backward): `h2d_bytes_per_step` is that plan for an optimizer step,
+`h2d_bytes` counts what was copied and `last_step_h2d_bytes` what the last step copied. The hooks
+are in only while some block is paged: a pager that pages nothing costs nothing.
 
 Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
 unpaged one does. On `device="cpu"` the copies are plain copies (no memory is saved, every path
@@ -48,8 +54,11 @@ import torch
 from torch import nn
 
 from ..memory import HostArena, HostBlock
+from ..quant.weight import QuantizedWeight, quantized_of
 from ..units import format_bytes
+from . import schedule
 from .activations import dense, find_blocks
+from .quantized import PagedQuantizedWeight, host_buffers, set_placeholder
 
 if TYPE_CHECKING:
     from ..engine import ParamSlots, Session
@@ -80,12 +89,15 @@ def check_param_offload(option: Any) -> None:
 
 
 def weight_blocks(model: nn.Module, option: Any) -> Optional[tuple[Optional[str], nn.ModuleList]]:
-    """The block stack `param_offload=option` pages (None when it is off); refuses a model that has
-    none, and block indices out of its range."""
+    """The block stack `param_offload=option` pages (None when it is off, or "auto" on a model
+    without one); refuses a model that has none for an explicit choice, and block indices out of
+    its range."""
     check_param_offload(option)
     if option is False or option is None:
         return None
     name, blocks = find_blocks(model)
+    if blocks is None and isinstance(option, str):
+        return None  # "auto": nothing to page in a model without a block stack (nothing needs paging either)
     if blocks is None:
         raise ValueError(f"{REQUIREMENT}, and this {type(model).__name__} has none; pass param_offload=False (the "
                          f"weights then stay on the device; param_dtype=torch.bfloat16 halves them)")
@@ -124,12 +136,31 @@ class _Weight:
         return self.host
 
 
+class _QWeight:
+    """A quantized frozen parameter of a block (trainstream.quant): `paged` is its
+    PagedQuantizedWeight while the block is paged."""
+
+    __slots__ = ("param", "name", "paged")
+
+    def __init__(self, param: nn.Parameter, name: str) -> None:
+        self.param, self.name = param, name
+        self.paged: Optional[PagedQuantizedWeight] = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.paged is not None:
+            return self.paged.nbytes
+        q = quantized_of(self.param)
+        return q.nbytes if q is not None else 0
+
+
 class _Block:
-    __slots__ = ("index", "module", "weights", "paged", "loaded", "event", "waited", "bw_started", "hooks")
+    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks")
 
     def __init__(self, index: int, module: nn.Module) -> None:
         self.index, self.module = index, module
         self.weights: list[_Weight] = []
+        self.quants: list[_QWeight] = []
         self.paged = False
         self.loaded = False                     # a paged block's weights are on the device now
         self.event: Optional[torch.cuda.Event] = None  # the copy that brought them
@@ -139,7 +170,7 @@ class _Block:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.weights)
+        return sum(w.nbytes for w in self.weights) + sum(q.nbytes for q in self.quants)
 
 
 class _WeightRef:
@@ -182,8 +213,8 @@ class WeightPager:
 
     def __init__(self, model: nn.Module, blocks: nn.ModuleList, session: "Session", trained: set[int],
                  name: Optional[str] = None, work: Optional[torch.dtype] = None, depth: int = 1) -> None:
-        if depth < 1:
-            raise ValueError(f"depth (paged blocks prefetched ahead) must be at least 1, not {depth}")
+        if schedule.check_depth(depth) is None:
+            raise ValueError("depth (paged blocks prefetched ahead) must be an int, not None")
         self.model, self.session, self.name = model, session, name or "blocks"
         self.trained, self.work = set(trained), work
         self.device = session.device
@@ -203,6 +234,9 @@ class WeightPager:
         self.shared = 0  # parameters used by several blocks or outside the stack: they stay resident
         for b in self.blocks:
             for pname, p in b.module.named_parameters():
+                if quantized_of(p) is not None and len(set(owners[id(p)])) == 1 and id(p) not in outside:
+                    b.quants.append(_QWeight(p, pname))
+                    continue
                 if len(set(owners[id(p)])) > 1 or id(p) in outside or p.untyped_storage().nbytes() == 0:
                     self.shared += int(p.untyped_storage().nbytes() > 0)
                     continue
@@ -212,8 +246,15 @@ class WeightPager:
         self._ctx: list[bool] = []      # per running block forward: whether the pager pushed hooks
         self._tasks: set[int] = set()   # graph tasks with an end-of-backward callback queued
         self._handles: list[Any] = []
+        self._wanted = False            # install() was called: the hooks are in while a block is paged
         self.moves = 0                  # blocks copied to the device since the last reset_stats()
         self.moved_bytes = 0
+        self.h2d_bytes = 0              # bytes of paged weights copied to the device ahead of use, ever
+        self.last_step_h2d_bytes: Optional[int] = None  # those of the last optimizer step (after_step())
+        self._step_mark = 0
+        # ("fetch", i) / ("drop", i) events are appended here when it is a list (tests compare it
+        # with schedule.simulate()).
+        self.trace: Optional[list[tuple[str, int]]] = None
         self.weight_refs = 0            # saved tensors replaced by references to paged weights
         # The step's peak for the planner, and its reset: the CUDA allocator's on a GPU (None on
         # the CPU: no planning there; a test may set both).
@@ -240,7 +281,14 @@ class WeightPager:
     @property
     def frozen_bytes(self) -> int:
         """Bytes of frozen weights held in the pager's own region (the arena)."""
-        return sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if not w.trained)
+        return (sum(w.nbytes for b in self.blocks if b.paged for w in b.weights if not w.trained)
+                + sum(q.nbytes for b in self.blocks if b.paged for q in b.quants
+                      if q.paged is not None and q.paged.lease is not None))
+
+    @property
+    def quantized_paged_bytes(self) -> int:
+        """Bytes of quantized frozen weights (codes and absmax) paged."""
+        return sum(q.nbytes for b in self.blocks if b.paged for q in b.quants)
 
     @property
     def trained_paged_bytes(self) -> int:
@@ -250,10 +298,23 @@ class WeightPager:
     def reset_stats(self) -> None:
         self.moves = self.moved_bytes = 0
 
+    @property
+    def micro_batches(self) -> int:
+        """Forward and backward passes per optimizer step (the session's accumulation_steps)."""
+        return max(1, int(getattr(self.session, "accumulation_steps", 1) or 1))
+
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        """The planned host-to-device bytes of paged weights per optimizer step with the blocks
+        paged now: schedule.h2d_bytes_per_step (2 crossings per paged block and micro-batch, 1
+        for the last paged block, which stays from its forward to its backward)."""
+        return schedule.h2d_bytes_per_step(self.block_bytes, self.paged, self.micro_batches)
+
     def outside_bytes(self) -> int:
         """What the model keeps on the device outside the pageable weights (parameters and
         buffers, trained ones in their working dtype)."""
-        pageable = {id(w.param) for b in self.blocks for w in b.weights}
+        pageable = {id(w.param) for b in self.blocks for w in b.weights} | {id(q.param) for b in self.blocks
+                                                                             for q in b.quants}
         total = 0
         for p in {id(p): p for p in self.model.parameters()}.values():
             if id(p) not in pageable:
@@ -285,8 +346,14 @@ class WeightPager:
         # Every copy first; only when all of them succeeded are the device copies freed, so a
         # failure (tsd cannot lend the frozen weights' memory) leaves the block as it was.
         taken: list[HostBlock] = []
+        quants: list[tuple[_QWeight, PagedQuantizedWeight]] = []
         try:
             with torch.no_grad():
+                for qw in b.quants:
+                    q = quantized_of(qw.param)
+                    if q is None:
+                        continue  # full-precision values replaced it since (a merge): it stays resident
+                    quants.append((qw, self._page_quantized(i, q, taken)))
                 for w in b.weights:
                     p = w.param
                     if w.trained:
@@ -313,8 +380,32 @@ class WeightPager:
             if w.slots is not None:
                 w.slots.paged = True
             w.param.data = self._empty(w)
+        for qw, pq in quants:
+            qw.paged = pq
+            qw.param._ts_quantized = pq  # type: ignore[attr-defined]
+            set_placeholder(qw.param, pq, self.device)
         b.paged, b.loaded, b.event, b.bw_started = True, False, None, False
+        if self._wanted and not self._handles:
+            self._add_hooks()
         return True
+
+    def _page_quantized(self, i: int, q: QuantizedWeight, taken: list[HostBlock]) -> PagedQuantizedWeight:
+        """The paged copy of quantized weight `q` of block `i`: its own buffers when they are in
+        memory tsd lent (or pinned), else a block of the arena (appended to `taken`)."""
+        own = host_buffers(q)
+        if own is not None:
+            return PagedQuantizedWeight(self, i, q, own[0], own[1], None)
+        if self.arena is None:
+            self.arena = self._new_arena()
+        codes, absmax = q.codes, q.absmax
+        off = -(-codes.numel() // 16) * 16
+        block = self.arena.alloc(off + 4 * absmax.numel())
+        taken.append(block)
+        hc = block.data.narrow(0, 0, codes.numel())
+        ha = block.data.narrow(0, off, 4 * absmax.numel()).view(torch.float32)
+        hc.copy_(codes.reshape(-1))
+        ha.copy_(absmax.reshape(-1))
+        return PagedQuantizedWeight(self, i, q, hc, ha, block)
 
     def unpage(self, i: int) -> bool:
         """Brings block `i`'s weights back to the device to stay (between steps). Returns False
@@ -324,6 +415,8 @@ class WeightPager:
             return False
         self._quiesce()
         self._bring_back(b, self.device)
+        if not self.paged:
+            self._remove_hooks()  # nothing paged: no hook runs (param_offload="auto" on a model that fits)
         return True
 
     def _bring_back(self, b: _Block, target: torch.device) -> None:
@@ -338,6 +431,22 @@ class WeightPager:
             elif w.block is not None:
                 w.block.release()
                 w.block, w.host = None, None
+        for qw in b.quants:
+            pq = qw.paged
+            if pq is None:
+                continue
+            with torch.no_grad():
+                codes = pq.host_codes.to(target, copy=True)
+                absmax = pq.host_absmax.to(target, copy=True)
+            back = QuantizedWeight(codes, absmax, pq.kind, pq.block_size, pq.shape, pq.dtype)
+            qw.param._ts_quantized = back  # type: ignore[attr-defined]
+            set_placeholder(qw.param, back, target)
+            # a stale reference to pq now reads the values where they are (no view of the region stays)
+            pq.pager, pq.origin, pq.host_codes, pq.host_absmax = None, None, back.codes, back.absmax
+            if pq.lease is not None:
+                pq.lease.release()
+                pq.lease = None
+            qw.paged = None
         b.paged = False
 
     def move_to(self, paged: set[int]) -> None:
@@ -357,9 +466,8 @@ class WeightPager:
             self._quiesce()
         except Exception:  # the daemon is gone: the slots are still mapped, with the last values
             pass
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._remove_hooks()
+        self._wanted = False
         need = self.paged_bytes
         target = self.device
         if self.cuda and need:
@@ -385,6 +493,11 @@ class WeightPager:
             if b.paged and b.loaded:
                 self._drop(b)
             b.bw_started = False
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.host_reads = False  # a state_dict() that raised half-way
+        self.last_step_h2d_bytes = self.h2d_bytes - self._step_mark
+        self._step_mark = self.h2d_bytes
         planner = getattr(self.session, "planner", None)
         if planner is None or self.measure is None or self.closed:
             return
@@ -435,6 +548,8 @@ class WeightPager:
                         t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
                         t.copy_(w.source(), non_blocking=True)
                         w.param.data = t
+                    for qw in b.quants:
+                        self._copy_quantized(qw, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
                 b.event = event
@@ -444,9 +559,32 @@ class WeightPager:
                     t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
                     t.copy_(w.source())
                     w.param.data = t
+                for qw in b.quants:
+                    self._copy_quantized(qw, non_blocking=False)
         b.loaded = True
         self.moves += 1
         self.moved_bytes += b.nbytes
+        self.h2d_bytes += b.nbytes
+        if self.trace is not None:
+            self.trace.append(("fetch", b.index))
+
+    def _copy_quantized(self, qw: _QWeight, non_blocking: bool) -> None:
+        pq = qw.paged
+        if pq is None:
+            return
+        codes = torch.empty(pq.host_codes.shape, dtype=torch.uint8, device=self.device)
+        absmax = torch.empty(pq.host_absmax.shape, dtype=torch.float32, device=self.device)
+        codes.copy_(pq.host_codes, non_blocking=non_blocking)
+        absmax.copy_(pq.host_absmax, non_blocking=non_blocking)
+        pq.dev_codes, pq.dev_absmax = codes, absmax
+
+    def _quantized_use(self, pq: PagedQuantizedWeight) -> None:
+        """A paged quantized weight's buffers are read (its layer dequantizes): in backward, its
+        block's backward starts; its copy must be on the device and waited for."""
+        b = self.blocks[pq.index]
+        if _in_backward():
+            self._backward_reached(b)
+        self._use(b)
 
     def _use(self, b: _Block) -> None:
         """Before the current stream reads block `b`'s weights: it waits for their copy, and the
@@ -461,46 +599,70 @@ class WeightPager:
                 cur.wait_event(b.event)
                 for w in b.weights:
                     w.param.data.record_stream(cur)
+                for qw in b.quants:
+                    if qw.paged is not None and qw.paged.dev_codes is not None and qw.paged.dev_absmax is not None:
+                        qw.paged.dev_codes.record_stream(cur)
+                        qw.paged.dev_absmax.record_stream(cur)
                 b.waited.add(cur.cuda_stream)
 
     def _drop(self, b: _Block) -> None:
         if b.paged and b.loaded:
             for w in b.weights:
                 w.param.data = self._empty(w)
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.dev_codes = qw.paged.dev_absmax = None
+            if self.trace is not None:
+                self.trace.append(("drop", b.index))
         b.loaded, b.event, b.waited = False, None, set()
 
-    def _next_paged(self, i: int, step: int) -> Optional[_Block]:
-        j = i + step
-        while 0 <= j < len(self.blocks):
-            if self.blocks[j].paged:
-                return self.blocks[j]
-            j += step
-        return None
+    def _prefetch_ahead(self, i: int, direction: int) -> None:
+        """Starts the copies of the `depth` paged blocks after block `i` in `direction`."""
+        for j in schedule.ahead(self._paged_order, i, direction, self.depth):
+            self._prefetch(self.blocks[j])
+
+    @property
+    def _paged_order(self) -> list[int]:
+        return [b.index for b in self.blocks if b.paged]
 
     # ---- hooks
     def install(self) -> None:
-        if self._handles or self.closed:
+        """Asks for the hooks: they are in while at least one block is paged (none otherwise, so a
+        run that pages nothing runs no hook)."""
+        if self.closed:
             return
+        self._wanted = True
+        if not self._handles and any(b.paged for b in self.blocks):
+            self._add_hooks()
+
+    @property
+    def hooks_installed(self) -> bool:
+        return bool(self._handles)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _add_hooks(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre))
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
             self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
+            self._handles.append(b.module.register_state_dict_pre_hook(self._state_dict_pre_hook(b)))
             self._handles.append(b.module._register_state_dict_hook(self._state_dict_hook(b)))
             self._handles.append(b.module.register_load_state_dict_pre_hook(self._load_hook(b)))
 
     def reinstall(self) -> None:
         """Registers the hooks again, after hooks installed since (an activation pager's), so the
         saved-tensor hooks this pager pushes stay on top of theirs."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.install()
+        self._remove_hooks()
+        if self._wanted:
+            self.install()
 
     def _model_pre(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            first = self._next_paged(-1, 1)
-            if first is not None:
-                self._prefetch(first)
+            self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -510,9 +672,7 @@ class WeightPager:
             if b.paged:
                 self._use(b)
             if not backward:
-                nxt = self._next_paged(b.index, 1)
-                if nxt is not None:
-                    self._prefetch(nxt)
+                self._prefetch_ahead(b.index, 1)
             pushed = b.paged and torch.is_grad_enabled()
             if pushed:
                 self._push_hooks(b)
@@ -569,8 +729,8 @@ class WeightPager:
         return w.data.as_strided(x.size, x.stride, w.storage_offset() + x.offset)
 
     def _backward_reached(self, b: _Block) -> None:
-        """Block `b`'s backward starts: the paged blocks above it whose backward ran are freed, and
-        the copy of the next paged block below starts."""
+        """Block `b`'s backward starts: the paged blocks above it whose backward ran are freed, its
+        own copy starts if it is not on the device, then those of the `depth` paged blocks below."""
         if b.bw_started:
             return
         b.bw_started = True
@@ -581,9 +741,9 @@ class WeightPager:
         if task != -1 and task not in self._tasks:
             self._tasks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_done(task))
-        nxt = self._next_paged(b.index, -1)
-        if nxt is not None:
-            self._prefetch(nxt)
+        if b.paged:
+            self._prefetch(b)
+        self._prefetch_ahead(b.index, -1)
 
     def _backward_done(self, task: int) -> None:
         self._tasks.discard(task)
@@ -593,8 +753,18 @@ class WeightPager:
                 b.bw_started = False
 
     # ---- state_dict
+    def _state_dict_pre_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            for qw in b.quants:  # their layers save codes and absmax from tsd's memory: nothing visits the device
+                if qw.paged is not None:
+                    qw.paged.host_reads = True
+        return hook
+
     def _state_dict_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for qw in b.quants:
+                if qw.paged is not None:
+                    qw.paged.host_reads = False
             if b.paged and not b.loaded:
                 for w in b.weights:
                     if prefix + w.name in state_dict:
@@ -603,7 +773,8 @@ class WeightPager:
 
     def _load_hook(self, b: _Block) -> Callable[..., None]:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
-            if b.paged and any(prefix + w.name in state_dict for w in b.weights):
+            names = [w.name for w in b.weights] + [q.name for q in b.quants]
+            if b.paged and any(prefix + n in state_dict for n in names):
                 raise RuntimeError(f"block {b.index} of {self.name} is paged (its weights live in tsd's memory): "
                                    f"call unwrap_session(model).pager.unpage({b.index}) before load_state_dict(), or "
                                    f"load the state before trainstream.wrap()")

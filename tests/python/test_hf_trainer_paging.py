@@ -1,0 +1,138 @@
+"""TrainStreamTrainer with weight paging (trainstream={"param_offload": ...}): a model passed on the
+CPU is not moved to the device whole (neither by Trainer's _move_model_to_device nor by
+accelerate's prepare); wrap() moves the resident blocks and pages the others, and the run trains
+as the unpaged one does. The CUDA case skips without a GPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import Trainer  # noqa: E402
+
+import trainstream  # noqa: E402
+from test_hf_trainer import TokenDataset, load, losses, max_diff, targs  # noqa: E402
+from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
+
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(root / "llama"))
+    return str(root / "llama")
+
+
+class Moves:
+    """Records every model.to(...) / .cuda() call on a model (the whole model moved)."""
+
+    def __init__(self, model):
+        self.calls = []
+        to, cuda = model.to, model.cuda
+
+        def rec_to(*a, **kw):
+            self.calls.append(("to", a, kw))
+            return to(*a, **kw)
+
+        def rec_cuda(*a, **kw):
+            self.calls.append(("cuda", a, kw))
+            return cuda(*a, **kw)
+        model.to, model.cuda = rec_to, rec_cuda
+
+
+def run(tsd, model, args, **options):
+    trainer = TrainStreamTrainer(model=model, args=args, train_dataset=TokenDataset(),
+                                 trainstream={"socket": tsd.socket, **options})
+    try:
+        trainer.train()
+        s = trainer.trainstream_session
+        trainer.paged = set(s.pager.paged) if s.pager is not None else set()
+        trainer.tsd_events = list(s.events)
+    finally:
+        if trainstream.unwrap_session(model) is not None:
+            trainstream.unwrap(model)
+    return trainer
+
+
+def test_a_cpu_model_with_paging_is_not_moved_and_trains_as_unpaged(tsd, tmp_path, llama):
+    """param_offload=True: Trainer and accelerate never move the model (the pager places it);
+    losses and weights equal the unpaged TrainStreamTrainer's bit for bit, which equal the stock
+    Trainer's within 2e-4."""
+    ref_model = load(llama)
+    plain_model, paged_model = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
+    ref = Trainer(model=ref_model, args=targs(tmp_path / "ref"), train_dataset=TokenDataset())
+    ref.train()
+    plain = run(tsd, plain_model, targs(tmp_path / "plain"))
+    assert losses(plain) == pytest.approx(losses(ref), abs=2e-4)
+
+    moves = Moves(paged_model)
+    trainer = TrainStreamTrainer(model=paged_model, args=targs(tmp_path / "paged"), train_dataset=TokenDataset(),
+                                 trainstream={"socket": tsd.socket, "param_offload": True})
+    assert moves.calls == [], "Trainer moved a model whose blocks are to be paged"
+    assert trainer.accelerator.device_placement is False
+    try:
+        trainer.train()
+        s = trainer.trainstream_session
+        assert s.pager is not None and s.pager.paged == {0, 1, 2}
+        assert moves.calls == [], f"the model was moved whole: {moves.calls}"
+        assert any("param_offload=True" in e and "paged from tsd's memory" in e for e in s.events)
+    finally:
+        trainstream.unwrap(paged_model)
+    assert losses(trainer) == losses(plain), "paging changed the losses"
+    assert max_diff(plain_model, paged_model) == 0.0
+
+
+def test_without_paging_the_trainer_places_the_model_as_stock(tsd, tmp_path, llama):
+    """param_offload off (the default): Trainer moves the model as it always does."""
+    model = load(llama)
+    moves = Moves(model)
+    trainer = TrainStreamTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=TokenDataset(),
+                                 trainstream={"socket": tsd.socket})
+    assert moves.calls and moves.calls[0][0] == "to"
+    assert trainer.accelerator.device_placement is True
+
+
+@NO_CUDA
+def test_cuda_a_cpu_model_is_paged_by_the_trainer_without_moving_it_whole(tsd, tmp_path, llama):
+    """On the GPU: the model passed on the CPU stays there while the trainer is built (nothing
+    allocated on the device); training pages blocks 0 and 2 and moves the rest; losses and
+    weights equal the unpaged TrainStreamTrainer's (moved to the GPU by Trainer) bit for bit."""
+    base = load(llama)
+    plain_model, paged_model = copy.deepcopy(base), copy.deepcopy(base)
+    plain = run(tsd, plain_model, targs(tmp_path / "plain", "cuda"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    moves = Moves(paged_model)
+    trainer = TrainStreamTrainer(model=paged_model, args=targs(tmp_path / "paged", "cuda"), train_dataset=TokenDataset(),
+                                 trainstream={"socket": tsd.socket, "param_offload": [0, 2]})
+    size = sum(p.numel() * p.element_size() for p in paged_model.parameters())
+    assert torch.cuda.memory_allocated() - before < size, "building the trainer moved the model to the GPU"
+    assert all(p.device.type == "cpu" for p in paged_model.parameters())
+    try:
+        trainer.train()
+        s = trainer.trainstream_session
+        assert s.pager.paged == {0, 2}
+        layers = paged_model.model.layers
+        assert all(p.untyped_storage().nbytes() == 0 for p in layers[0].parameters())
+        assert all(p.device.type == "cuda" and p.untyped_storage().nbytes() > 0 for p in layers[1].parameters())
+        assert len(moves.calls) <= 1, moves.calls  # wrap()'s own move of what is not paged, once paging started
+        assert s.pager.last_step_h2d_bytes == s.pager.h2d_bytes_per_step
+    finally:
+        trainstream.unwrap(paged_model)
+    assert losses(trainer) == losses(plain)
+    assert max_diff(plain_model, paged_model) == 0.0
