@@ -184,6 +184,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except trainstream.DaemonUnavailable as e:
         print(f"FAIL: no tsd to train through: {e}")
         return 1
+    except torch.OutOfMemoryError as e:
+        print(f"FAIL: the run went over the VRAM cap ({str(e).splitlines()[0]}); paging should have kept it under")
+        return 1
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

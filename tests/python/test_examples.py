@@ -77,3 +77,8 @@ def test_hf_finetune_compares_with_the_stock_trainer(tsd):
     out = passed(run(tsd, "hf_finetune.py", "--device", "cpu", "--steps", "2", "--batch", "2", "--seq", "16",
                      "--compare"))
     assert "PASS" in out
+
+
+def test_finetune_tiny_the_main_job(tsd):
+    r = run(tsd, "finetune_tiny.py", "--device", "cpu", "--steps", "4")
+    assert r.returncode == 0 and "finetune_tiny: OK" in r.stdout, r.stdout + r.stderr
