@@ -12,6 +12,7 @@ from . import _state, planner
 from .engine import ParamSlots, Session
 from .errors import TsdError
 from .paging.activations import ActivationProfiler, page_blocks
+from .progress import Progress
 
 # A file the optimizer's state streams to or from: a descriptor, or an object with fileno().
 StateFile = Union[int, IO[Any]]
@@ -103,7 +104,8 @@ class TsdAdamW(torch.optim.Optimizer):
         self._check()
         sd = super().state_dict()
         s = self._session
-        per_bucket = s.read_state()
+        with Progress("state_dict", state_file_bytes(s), "bytes", counted=False):
+            per_bucket = s.read_state()  # the daemon writes the snapshot in one call
         index = {id(p): i for i, p in enumerate(self._index())}
         state = {}
         for b, (master, m, v, step) in per_bucket.items():
@@ -161,8 +163,9 @@ class TsdAdamW(torch.optim.Optimizer):
         s.idle()
         fd = _state.new_file()
         try:
-            _state.write(fd, entries, meta)
-            s.handle.load_state(fd)
+            with Progress("load_state_dict", state_file_bytes(s), "bytes", poll=lambda: os.fstat(fd).st_size):
+                _state.write(fd, entries, meta)  # the file is sized first: the line shows the whole at once
+                s.handle.load_state(fd)
         finally:
             os.close(fd)
         for saved, mine in zip(groups, self.param_groups):  # once the daemon took the state
@@ -183,7 +186,8 @@ class TsdAdamW(torch.optim.Optimizer):
         self._check_streaming("save_state")
         fd = _descriptor(file)
         self._session.idle()
-        return int(self._session.handle.save_state(fd))
+        with Progress("save_state", state_file_bytes(self._session), "bytes", poll=lambda: os.fstat(fd).st_size):
+            return int(self._session.handle.save_state(fd))
 
     def load_state(self, file: StateFile) -> None:
         """Restores state written by `save_state` from `file` (a regular file opened for reading)
@@ -196,11 +200,13 @@ class TsdAdamW(torch.optim.Optimizer):
         fd = _descriptor(file)
         s = self._session
         s.idle()
-        s.handle.load_state(fd)
-        for ps in s.params:
-            if not _master_rounds_to_param(ps):
-                s.sync_master(ps)
-            ps.version = ps.param._version
+        with Progress("load_state", len(s.params)) as bar:
+            s.handle.load_state(fd)
+            for ps in s.params:
+                if not _master_rounds_to_param(ps):
+                    s.sync_master(ps)
+                ps.version = ps.param._version
+                bar.advance()
 
     def _check_streaming(self, what: str) -> None:
         if self._inner is not None:
@@ -211,6 +217,20 @@ class TsdAdamW(torch.optim.Optimizer):
     def __repr__(self) -> str:
         mode = "offloaded to tsd" if self._inner is None else "switched to stock AdamW"
         return f"TsdAdamW({mode}, {len(self.param_groups)} groups, moments {self.moment_dtype})"
+
+
+def state_file_bytes(session: Session) -> int:
+    """The tensor bytes of the session's state file (masters, moments, steps; its small header
+    aside): what save_state() writes."""
+    moment = 4 if session.moment_dtype == "float32" else 2
+    return sum(_numel(ps.shape) * (4 + 2 * moment) + 8 for ps in session.params)
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def _descriptor(file: StateFile) -> int:

@@ -38,6 +38,7 @@ from .paging.schedule import check_depth, choose_depth
 from .paging.weights import WeightPager, check_param_offload, weight_blocks
 from .blockplan import MemoryPlanner, fraction_paged
 from .planner import Budget, Plan
+from .progress import Progress, track
 from .quant.auto import apply_wrap_quantize, check_wrap_options
 from .units import DTYPE_BYTES, block_ranges, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
@@ -192,6 +193,10 @@ def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int
         f"{'; offload=auto keeps offloading' if opts['offload'] == 'auto' else ''}")
 
 
+def _bucket_bytes(bucket: tuple[torch.nn.Parameter, int, int]) -> int:
+    return bucket[0].numel() * 4  # its fp32 master, written into tsd's memory
+
+
 def unwrap_session(model: torch.nn.Module) -> Optional[Session]:
     """The Session of a wrapped model (None when it is not wrapped)."""
     return getattr(model, "_trainstream_session", None)
@@ -337,7 +342,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)
         if attached is None:
             client.attach(job, opts["quota"])
-        handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+        with Progress("wrap: registering the optimizer in tsd", counted=False):
+            handle = client._register_optimizer(**prep.request(plan.moment_dtype))
     except BaseException:
         if owns_client:
             client.close()
@@ -351,7 +357,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     # Weight paging: the blocks to page are chosen before anything moves to the device.
     first_paged = _plan_weight_paging(session, model, prep, plan.budget)
     paged_params = {id(w.param) for i in first_paged for w in session.pager.blocks[i].weights} if session.pager else set()
-    for b, (p, gi, index) in enumerate(prep.buckets):
+    for b, (p, gi, index) in enumerate(track(prep.buckets, "wrap: parameters into tsd", _bucket_bytes, "bytes")):
         ps = ParamSlots(p, b, gi, index)
         ps.master, ps.grad_slot, ps.param_slot = handle.master(b), handle.grad(b), handle.param(b)
         session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this

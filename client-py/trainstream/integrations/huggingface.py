@@ -23,6 +23,7 @@ from torch import nn
 
 from .. import planner
 from ..planner import Budget
+from ..progress import progress_enabled
 from ..quant.formats import absmax_count, check_block_size, check_kind
 from ..quant.linear import QuantizedLinear
 from ..quant.model import quantizable_linears
@@ -108,7 +109,7 @@ class _Progress:
     """Tensors and bytes read, on stderr when it is a terminal (or as told)."""
 
     def __init__(self, total_tensors: int, total_bytes: int, enabled: Optional[bool]) -> None:
-        self.on = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.on = progress_enabled(sys.stderr, enabled)  # a terminal, or $TRAINSTREAM_PROGRESS
         self.total_tensors, self.total_bytes = total_tensors, total_bytes
         self.tensors = self.bytes = 0
 
