@@ -73,3 +73,16 @@ def own_tsd(tmp_path):
     d = Daemon(tmp_path)
     yield d
     d.stop()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch intra-op thread for a module's tests (`pytestmark = pytest.mark.usefixtures(
+    "one_thread")`): tiny models run faster on one thread than on several, and far faster on a
+    busy machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

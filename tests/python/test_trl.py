@@ -21,12 +21,7 @@ WORDS = ("the a cat dog sat ran on under mat rug red blue big small fast slow an
 SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
