@@ -39,9 +39,10 @@ absl::Status Registry::CheckAttachOptionsLocked(const std::string& job, const Jo
   }
   if (!extra.resume && existing != nullptr && existing->sessions.empty() &&
       existing->optimizer != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job, "' is kept after its last trainer died (its optimizer state is still in tsd); "
-        "attach with resume=True to continue it, or pick another job name"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job,
+                     "' is kept after its last trainer died (its optimizer state is still in tsd); "
+                     "attach with resume=True to continue it, or pick another job name"));
   }
   return absl::OkStatus();
 }
@@ -64,13 +65,12 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::TakeOverOptimizer(
   }
   if (job.optimizer_session != 0 && job.optimizer_session != session_id &&
       sessions_.count(job.optimizer_session) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job.name, "''s optimizer is driven by live session ", job.optimizer_session,
-        "; only a job whose trainer died can be resumed"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", job.name, "''s optimizer is driven by live session ",
+                     job.optimizer_session, "; only a job whose trainer died can be resumed"));
   }
   TSD_RETURN_IF_ERROR(check(job.optimizer->plan()));
   job.optimizer_session = session_id;
-  session->resuming = false;
   spdlog::info("event=optimizer_resumed job={} session={}", job.name, session_id);
   return job.optimizer;
 }

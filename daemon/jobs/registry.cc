@@ -52,8 +52,7 @@ v1::RegionInfo Registry::Describe(const Region& r) {
 }
 
 absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t quota_bytes,
-                                              uid_t uid, pid_t pid,
-                                              const AttachOptions& extra) {
+                                              uid_t uid, pid_t pid, const AttachOptions& extra) {
   TSD_RETURN_IF_ERROR(wire::ValidateName("job", job));
   MutexLock lock(mu_);
   AttachResult result;
@@ -88,7 +87,6 @@ absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t q
   s.job = job;
   s.uid = uid;
   s.pid = pid;
-  s.resuming = extra.resume;
   result.session_id = s.id;
   sessions_.emplace(s.id, std::move(s));
   it->second.sessions.insert(result.session_id);
@@ -322,16 +320,23 @@ void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Relea
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return;
   const std::string job_name = it->second.job;
-  const bool resuming = it->second.resuming;
   sessions_.erase(it);
   spdlog::info("event=session_ended job={} session={} reason={}", job_name, session_id,
                ReleaseReasonName(why));
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
   job->second.sessions.erase(session_id);
+  // A job whose trainer died keeps its optimizer without a session driving it (optimizer_session
+  // 0) until a resume takes it over: a resuming session that gives up (e.g. on a mismatched
+  // registration) and detaches leaves a kept job kept.
+  if (why != ReleaseReason::kDetach && job->second.optimizer_session == session_id) {
+    job->second.optimizer_session = 0;
+  }
   if (!job->second.sessions.empty()) return;
+  const bool abandoned = job->second.optimizer != nullptr && !job->second.optimizer->failed() &&
+                         job->second.optimizer_session == 0;
   if (GraceLocked(job->second) <= absl::ZeroDuration() ||
-      (why == ReleaseReason::kDetach && !resuming)) {
+      (why == ReleaseReason::kDetach && !abandoned)) {
     ReleaseJobLocked(job_name, why, dead);
   } else {
     job->second.orphaned_since = absl::Now();

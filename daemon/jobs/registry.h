@@ -216,9 +216,6 @@ class Registry final {
     std::string job;
     uid_t uid = 0;
     pid_t pid = 0;
-    // Attached with resume and has not taken the optimizer over yet: its detach (a resume that
-    // gave up, e.g. on a mismatched registration) leaves the kept job kept.
-    bool resuming = false;
   };
   struct Job {
     uint64_t instance = 0;  // distinguishes a re-created job of the same name

@@ -123,9 +123,9 @@ TEST(CheckpointTest, AFailedCheckpointLeavesTheFileAsItWas) {
   // A job without an optimizer has nothing to checkpoint.
   auto c = d->Connect();
   ASSERT_TRUE(c->Attach("bare").ok());
-  out = RunCommand(std::string(TSCTL_BINARY) + " --socket " + d->socket() + " checkpoint bare " +
-                       file + " 2>&1",
-                   &rc);
+  out = RunCommand(
+      std::string(TSCTL_BINARY) + " --socket " + d->socket() + " checkpoint bare " + file + " 2>&1",
+      &rc);
   EXPECT_NE(rc, 0);
   EXPECT_THAT(out, HasSubstr("has no optimizer"));
   EXPECT_EQ(RunCommand("cat " + file), "before");
@@ -175,7 +175,7 @@ TEST(CheckpointTest, AKeptJobIsResumedByARestartedTrainer) {
   ResumeReport report;
   auto opt = again->ResumeOptimizer(Spec(), &report);
   ASSERT_TRUE(opt.ok()) << opt.status();
-  EXPECT_THAT(report.bucket_steps, ::testing::ElementsAre(2, 2));
+  EXPECT_THAT(report.bucket_steps, ::testing::ElementsAre(2u, 2u));
   EXPECT_EQ(std::memcmp((*opt)->master(0), masters.data(), kNumel * 4), 0);
   Step(**opt, 0.3f);
   EXPECT_EQ((*opt)->steps(0), 3u);

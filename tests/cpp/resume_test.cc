@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -251,10 +252,10 @@ TEST_F(ResumeTest, WorkInFlightIsFinishedAndHeldDeliveriesAreRolledBack) {
     const v1::ResumeReport& report = r->resume();
     ASSERT_EQ(report.bucket_steps_size(), kBuckets);
     if (clip) {
-      EXPECT_THAT(report.bucket_steps(), ::testing::ElementsAre(0, 0, 0));
-      EXPECT_THAT(report.rolled_back(), ::testing::ElementsAre(0, 2));
+      EXPECT_THAT(report.bucket_steps(), ::testing::ElementsAre(0u, 0u, 0u));
+      EXPECT_THAT(report.rolled_back(), ::testing::ElementsAre(0u, 2u));
     } else {
-      EXPECT_THAT(report.bucket_steps(), ::testing::ElementsAre(1, 0, 1));
+      EXPECT_THAT(report.bucket_steps(), ::testing::ElementsAre(1u, 0u, 1u));
       EXPECT_EQ(report.rolled_back_size(), 0);
     }
     EXPECT_EQ(report.committed(), 0u);
@@ -269,7 +270,8 @@ TEST_F(ResumeTest, WorkInFlightIsFinishedAndHeldDeliveriesAreRolledBack) {
       wire::FutexWakeAll(&page.header->doorbell);
       EXPECT_TRUE(WaitUntil([&] { return page.header->committed.load() == 1; }));
     }
-    EXPECT_TRUE(WaitUntil([&] { return page.buckets[0].done.load() == page.buckets[0].ready.load(); }));
+    EXPECT_TRUE(
+        WaitUntil([&] { return page.buckets[0].done.load() == page.buckets[0].ready.load(); }));
     EXPECT_EQ(page.buckets[0].steps.load(), clip ? 1u : 2u);
     auto optimizer = registry_->OptimizerOf(resumed->session_id);
     ASSERT_TRUE(optimizer.ok());
