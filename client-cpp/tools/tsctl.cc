@@ -22,8 +22,8 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/wire.h"
-#include "tsd/client.h"
 #include "tsctl_checkpoint.h"
+#include "tsd/client.h"
 
 namespace {
 
@@ -376,7 +376,8 @@ int main(int argc, char** argv) {
   auto* checkpoint = app.add_subcommand(
       "checkpoint",
       "write JOB's optimizer state into FILE (a job of yours; tsd writes into a temporary file "
-      "tsctl opened beside FILE, then tsctl fsyncs and renames it; checksums are verified on load)");
+      "tsctl opened beside FILE, then tsctl fsyncs and renames it; checksums are verified on "
+      "load)");
   checkpoint->add_option("JOB", checkpoint_job, "the job (see tsctl jobs)")->required();
   checkpoint->add_option("FILE", checkpoint_file, "where to put the state (safetensors)")
       ->required();

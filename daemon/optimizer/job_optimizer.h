@@ -98,10 +98,10 @@ class JobOptimizer final {
   // --- Resuming a kept job (job_optimizer_resume.cc) ---
   // Where the optimizer stands once Resume() settled what a dead trainer left in flight.
   struct ResumePoint {
-    std::vector<uint64_t> bucket_steps;    // steps applied to each bucket
-    uint64_t committed = 0;                // commits applied
-    std::vector<uint32_t> rolled_back;     // held final deliveries dropped (clipping, no commit)
-    std::vector<uint32_t> dropped_partial; // half-accumulated gradients dropped
+    std::vector<uint64_t> bucket_steps;     // steps applied to each bucket
+    uint64_t committed = 0;                 // commits applied
+    std::vector<uint32_t> rolled_back;      // held final deliveries dropped (clipping, no commit)
+    std::vector<uint32_t> dropped_partial;  // half-accumulated gradients dropped
   };
   // Lets every delivery already rung (and a commit already asked) finish, then drops final
   // deliveries held for a commit that will never come and forgets partial accumulations, so a

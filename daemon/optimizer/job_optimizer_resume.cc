@@ -61,10 +61,10 @@ absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const Opti
                                  " in the kept job, ", a.group, " here"));
     }
     if (k.grad_dtype != a.grad_dtype || k.param_dtype != a.param_dtype) {
-      return differ(absl::StrCat("bucket ", b, " is ", DTypeName(k.param_dtype),
-                                 " (gradients ", DTypeName(k.grad_dtype), ") in the kept job, ",
-                                 DTypeName(a.param_dtype), " (gradients ",
-                                 DTypeName(a.grad_dtype), ") here"));
+      return differ(absl::StrCat("bucket ", b, " is ", DTypeName(k.param_dtype), " (gradients ",
+                                 DTypeName(k.grad_dtype), ") in the kept job, ",
+                                 DTypeName(a.param_dtype), " (gradients ", DTypeName(a.grad_dtype),
+                                 ") here"));
     }
   }
   if (kept.moment_dtype != asked.moment_dtype) {
@@ -76,9 +76,9 @@ absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const Opti
                                ", this registration asks ", asked.max_grad_norm));
   }
   if (kept.accumulate != asked.accumulate) {
-    return differ(absl::StrCat("the kept job was registered with",
-                               kept.accumulate ? "" : "out", " gradient accumulation, this ",
-                               "registration ", asked.accumulate ? "with" : "without"));
+    return differ(absl::StrCat("the kept job was registered with", kept.accumulate ? "" : "out",
+                               " gradient accumulation, this ", "registration ",
+                               asked.accumulate ? "with" : "without"));
   }
   if (kept.seed != asked.seed) {
     return differ(absl::StrCat("the kept job's stochastic-rounding seed is ", kept.seed,
@@ -130,9 +130,11 @@ absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration ti
       }
     }
     if (absl::Now() > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "the kept optimizer of job '", job_, "' did not finish the work its last trainer left "
-          "within ", absl::FormatDuration(timeout), "; try resuming again"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("the kept optimizer of job '", job_,
+                       "' did not finish the work its last trainer left "
+                       "within ",
+                       absl::FormatDuration(timeout), "; try resuming again"));
     }
     Kick();  // the dispatcher takes what was rung
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -4,8 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -280,8 +280,7 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
   extra.keep_for = absl::Milliseconds(
       static_cast<int64_t>(std::min<uint64_t>(attach.keep_for_ms(), uint64_t{1} << 50)));
   extra.resume = attach.resume();
-  auto result =
-      registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid, extra);
+  auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid, extra);
   if (!result.ok()) {
     spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\"", caller.uid, caller.pid,
                  std::string(result.status().message()));
@@ -327,9 +326,8 @@ absl::StatusOr<uint64_t> SideHandler::Checkpoint(const SideCaller& caller, const
     absl::StatusOr<uint64_t> written = optimizer->SaveState(fd);
     if (written.ok() || written.status().code() != absl::StatusCode::kFailedPrecondition ||
         absl::Now() > deadline) {
-      spdlog::info("event=checkpoint job={} uid={} pid={} bytes={} error=\"{}\"", job,
-                   caller.uid, caller.pid, written.value_or(0),
-                   std::string(written.status().message()));
+      spdlog::info("event=checkpoint job={} uid={} pid={} bytes={} error=\"{}\"", job, caller.uid,
+                   caller.pid, written.value_or(0), std::string(written.status().message()));
       return written;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
