@@ -139,7 +139,8 @@ class TsdAdamW(torch.optim.Optimizer):
         s = self._session
         params = self._index()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
-        check_state_dict(saved_state, [(i, p.numel(), s.param_names.get(id(p), f"shape {tuple(p.shape)}"))
+        # Sizes from the slots' shapes: a paged parameter is an empty tensor between uses.
+        check_state_dict(saved_state, [(i, s.by_param[id(p)].shape.numel(), s.param_names.get(id(p), f"parameter {i}"))
                                        for i, p in enumerate(params) if id(p) in s.by_param], allow_missing)
         mdt = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
         e = _state.entry
