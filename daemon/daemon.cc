@@ -133,6 +133,7 @@ int RunDaemon(const Config& config) {
   options.max_job_quota_bytes = config.max_job_quota_bytes;
   options.lock_memory = memlock.can_lock;
   options.orphan_grace = config.orphan_grace_duration;
+  options.max_keep_for = config.max_keep_for_duration;
   // Descriptors and mappings: raise the soft descriptor limit, then budget regions below half of
   // each limit so the control plane keeps a reserve.
   const ResourceBudget budget =

@@ -86,6 +86,9 @@ struct Client::Impl {
   uint64_t session_id ABSL_GUARDED_BY(mu) = 0;
   std::string job ABSL_GUARDED_BY(mu);
   uint64_t quota_bytes ABSL_GUARDED_BY(mu) = 0;
+  absl::Duration keep_for ABSL_GUARDED_BY(mu);
+  bool resumed ABSL_GUARDED_BY(mu) = false;
+  double orphaned_s ABSL_GUARDED_BY(mu) = 0;
   int side_fd ABSL_GUARDED_BY(mu) = -1;
   uint64_t next_request_id ABSL_GUARDED_BY(mu) = 1;
   wire::SideAssembler<v1::SideReply> assembler ABSL_GUARDED_BY(mu);
@@ -345,6 +348,14 @@ uint64_t Client::session_id() const {
 }
 
 absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
+  return Attach(job, quota_bytes, JobOptions{});
+}
+
+absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes,
+                            const JobOptions& options) {
+  if (options.keep_for < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("keep_for must not be negative");
+  }
   MutexLock lock(impl_->mu);
   if (impl_->attached) {
     return absl::FailedPreconditionError(absl::StrCat("this client is already attached to job '",
@@ -378,6 +389,8 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
   a->set_quota_bytes(quota_bytes);
   a->set_protocol_version(wire::kProtocolVersion);
   a->set_client_version(absl::StrCat("tsclient ", TSCLIENT_VERSION));
+  a->set_keep_for_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(options.keep_for)));
+  a->set_resume(options.resume);
   auto reply = impl_->CallNoFd(std::move(req), "attach");
   if (!reply.ok()) {
     // A refused attach leaves no session: close the connection, keep nothing.
@@ -391,6 +404,9 @@ absl::Status Client::Attach(const std::string& job, uint64_t quota_bytes) {
   impl_->session_id = reply->attach().session_id();
   impl_->job = reply->attach().job();
   impl_->quota_bytes = reply->attach().quota_bytes();
+  impl_->keep_for = absl::Milliseconds(static_cast<int64_t>(reply->attach().keep_for_ms()));
+  impl_->resumed = reply->attach().resumed();
+  impl_->orphaned_s = reply->attach().orphaned_s();
   return absl::OkStatus();
 }
 
@@ -546,7 +562,13 @@ static v1::RegisterOptimizerRequest RegistrationRequest(const OptimizerSpec& spe
 }
 
 absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const OptimizerSpec& spec) {
-  const v1::RegisterOptimizerRequest req = RegistrationRequest(spec);
+  return Register(spec, /*resume=*/false, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Client::Register(const OptimizerSpec& spec, bool resume,
+                                                            ResumeReport* report) {
+  v1::RegisterOptimizerRequest req = RegistrationRequest(spec);
+  req.set_resume(resume);
   v1::RegisterOptimizerResponse resp;
   {
     MutexLock lock(impl_->mu);
@@ -581,6 +603,19 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::RegisterOptimizer(const Optim
     auto r = Map(name);
     if (!r.ok()) return r.status();
     *slot = *r;
+  }
+  if (resume) {
+    if (static_cast<size_t>(resp.resume().bucket_steps_size()) != opt->buckets_.size()) {
+      return absl::InternalError("tsd's resume report does not cover every bucket");
+    }
+    opt->ContinueCommits(resp.resume().committed());
+    if (report != nullptr) {
+      const v1::ResumeReport& r = resp.resume();
+      report->bucket_steps.assign(r.bucket_steps().begin(), r.bucket_steps().end());
+      report->committed = r.committed();
+      report->rolled_back.assign(r.rolled_back().begin(), r.rolled_back().end());
+      report->dropped_partial.assign(r.dropped_partial().begin(), r.dropped_partial().end());
+    }
   }
   return opt;
 }
@@ -626,6 +661,62 @@ absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
                                                save ? "save_state" : "load_state"));
   if (reply.second >= 0) close(reply.second);
   return reply.first.state().bytes();
+}
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Client::ResumeOptimizer(const OptimizerSpec& spec,
+                                                                   ResumeReport* report) {
+  return Register(spec, /*resume=*/true, report);
+}
+
+absl::Duration Client::keep_for() const {
+  MutexLock lock(impl_->mu);
+  return impl_->keep_for;
+}
+bool Client::resumed() const {
+  MutexLock lock(impl_->mu);
+  return impl_->resumed;
+}
+double Client::orphaned_s() const {
+  MutexLock lock(impl_->mu);
+  return impl_->orphaned_s;
+}
+
+absl::StatusOr<uint64_t> Client::Checkpoint(const std::string& job, int fd) {
+  MutexLock lock(impl_->mu);
+  if (impl_->side_fd >= 0) {
+    return absl::FailedPreconditionError(
+        "Checkpoint() uses a connection of its own: call it on a client that is not attached");
+  }
+  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string side = wire::SideSocketPath(socket_path_);
+  if (side.size() >= sizeof(addr.sun_path)) {
+    close(sock);
+    return absl::InvalidArgumentError(absl::StrCat("side socket path '", side, "' is too long"));
+  }
+  std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+  if (connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(sock);
+    return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
+                                               std::strerror(err), "; ", HowToStart(socket_path_)));
+  }
+  impl_->side_fd = sock;  // for this one request; closed below whatever happens
+  impl_->closed_why.clear();
+  impl_->assembler.Reset();
+  v1::SideRequest req;
+  req.mutable_checkpoint()->set_job(job);
+  auto reply = impl_->Call(std::move(req), fd, std::max(impl_->request_timeout, kMinStateTimeout),
+                           "checkpoint");
+  if (impl_->side_fd >= 0) close(impl_->side_fd);
+  impl_->side_fd = -1;
+  impl_->closed_why.clear();
+  impl_->assembler.Reset();
+  if (!reply.ok()) return reply.status();
+  if (reply->second >= 0) close(reply->second);
+  return reply->first.state().bytes();
 }
 
 bool Client::DaemonAlive(std::string* why) {

@@ -41,6 +41,11 @@ struct Optimizer::CommitState {
 };
 
 Optimizer::Optimizer() : commit_(std::make_unique<CommitState>()) {}
+
+void Optimizer::ContinueCommits(uint64_t committed) {
+  MutexLock lock(commit_->mu);
+  commit_->commits = committed;
+}
 Optimizer::~Optimizer() = default;
 
 float* Optimizer::master(size_t b) const {

@@ -1,6 +1,7 @@
 // tsctl: inspect a running tsd. `tsctl status` shows the pool, `tsctl jobs` the jobs on it;
 // `--json` prints machine-readable output with stable keys. `tsctl top` is a live per-job view
-// that redraws in place, like top(1).
+// that redraws in place, like top(1). `tsctl checkpoint JOB FILE` has tsd write a job's optimizer
+// state into FILE (tsctl_checkpoint.cc).
 #include <poll.h>
 #include <signal.h>
 #include <sys/ioctl.h>
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "proto/wire.h"
+#include "tsctl_checkpoint.h"
 #include "tsd/client.h"
 
 namespace {
@@ -370,6 +372,15 @@ int main(int argc, char** argv) {
   top->add_flag("-b,--batch", top_options.batch,
                 "print frames one after another instead of redrawing (the default when stdout is "
                 "no terminal)");
+  std::string checkpoint_job, checkpoint_file;
+  auto* checkpoint = app.add_subcommand(
+      "checkpoint",
+      "write JOB's optimizer state into FILE (a job of yours; tsd writes into a temporary file "
+      "tsctl opened beside FILE, then tsctl fsyncs and renames it; checksums are verified on "
+      "load)");
+  checkpoint->add_option("JOB", checkpoint_job, "the job (see tsctl jobs)")->required();
+  checkpoint->add_option("FILE", checkpoint_file, "where to put the state (safetensors)")
+      ->required();
   CLI11_PARSE(app, argc, argv);
 
   auto client = tsd::Client::Connect(socket);
@@ -387,5 +398,6 @@ int main(int argc, char** argv) {
   if (*status) return PrintStatus(**client, status_json);
   if (*top) return RunTop(**client, top_options);
   if (*stores) return PrintStores(**client, stores_json);
+  if (*checkpoint) return tsd::tools::Checkpoint(**client, checkpoint_job, checkpoint_file);
   return PrintJobs(**client, jobs_json);
 }

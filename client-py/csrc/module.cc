@@ -335,6 +335,33 @@ HandlePtr RegisterOptimizer(
   return h;
 }
 
+// A resume registration: the handle and the report of where the kept optimizer stands.
+py::tuple ResumeOptimizer(
+    const ClientPtr& client, const std::vector<py::dict>& groups,
+    const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
+    const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
+    bool amsgrad, bool maximize) {
+  const tsd::OptimizerSpec spec =
+      SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
+  auto h = std::make_shared<OptimizerHandle>();
+  for (const auto& b : spec.buckets) {
+    h->grad_dtypes.push_back(b.grad_dtype);
+    h->param_dtypes.push_back(b.param_dtype);
+  }
+  h->client = client;
+  tsd::ResumeReport report;
+  {
+    py::gil_scoped_release release;
+    h->opt = Value(client->ResumeOptimizer(spec, &report));
+  }
+  py::dict d;
+  d["bucket_steps"] = report.bucket_steps;
+  d["committed"] = report.committed;
+  d["rolled_back"] = report.rolled_back;
+  d["dropped_partial"] = report.dropped_partial;
+  return py::make_tuple(h, d);
+}
+
 // The daemon's dry run of a registration, as a dict: state_bytes, the per-region bytes and the
 // buckets' offsets.
 py::dict PlanOptimizer(
@@ -448,11 +475,28 @@ PYBIND11_MODULE(_C, m) {
           py::arg("socket") = "")
       .def(
           "attach",
-          [](tsd::Client& c, const std::string& job, uint64_t quota) {
+          [](tsd::Client& c, const std::string& job, uint64_t quota, double keep_for_s,
+             bool resume) {
+            if (!(keep_for_s >= 0) || keep_for_s > 1e9) {
+              Throw(absl::InvalidArgumentError("keep_for must be between 0 and 1e9 seconds"));
+            }
+            tsd::JobOptions options;
+            options.keep_for = absl::Milliseconds(static_cast<int64_t>(keep_for_s * 1000.0));
+            options.resume = resume;
             py::gil_scoped_release release;
-            Check(c.Attach(job, quota));
+            Check(c.Attach(job, quota, options));
           },
-          py::arg("job"), py::arg("quota_bytes") = 0)
+          py::arg("job"), py::arg("quota_bytes") = 0, py::arg("keep_for_s") = 0.0,
+          py::arg("resume") = false)
+      .def("checkpoint",
+           [](tsd::Client& c, const std::string& job, int fd) {
+             py::gil_scoped_release release;
+             return Value(c.Checkpoint(job, fd));
+           })
+      .def_property_readonly(
+          "keep_for_s", [](const tsd::Client& c) { return absl::ToDoubleSeconds(c.keep_for()); })
+      .def_property_readonly("resumed", &tsd::Client::resumed)
+      .def_property_readonly("orphaned_s", &tsd::Client::orphaned_s)
       .def("detach",
            [](tsd::Client& c) {
              py::gil_scoped_release release;
@@ -555,6 +599,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
            py::arg("maximize") = false)
       .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
+           py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
+           py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
+           py::arg("maximize") = false)
+      .def("resume_optimizer", &ResumeOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
            py::arg("maximize") = false)

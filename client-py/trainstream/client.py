@@ -10,6 +10,7 @@ import torch
 from . import _C  # type: ignore[attr-defined]  # the pybind11 extension
 from .errors import FailedPrecondition
 from .store import Store, StoreInfo
+from .durations import Duration, parse_duration
 from .units import Size, parse_bytes
 
 __all__ = ["Client", "Status", "Job", "Region", "RegionInfo", "OptimizerLayout", "Notice", "connect", "parse_bytes"]
@@ -171,11 +172,32 @@ class Client:
             self.attach(job, quota)
 
     # ---- session
-    def attach(self, job: str, quota: Size = None) -> "Client":
+    def attach(self, job: str, quota: Size = None, keep_for: Duration = None, resume: bool = False) -> "Client":
         """Joins or creates `job`; `quota` (bytes or "8GiB") caps what it may hold (None: the
-        daemon's maximum). Returns self."""
-        self._c.attach(job, parse_bytes(quota))
+        daemon's maximum). `keep_for` ("10m", "30s" or seconds): tsd keeps the job (its memory
+        and optimizer state) that long after its last session dies, up to the daemon's
+        `max_keep_for`. `resume=True` continues such a kept job (it must exist). Returns self."""
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be True or False, not {resume!r}")
+        self._c.attach(job, parse_bytes(quota), parse_duration(keep_for, "keep_for"), resume)
         return self
+
+    @property
+    def keep_for(self) -> float:
+        """Seconds the attached job is kept after its last session dies (0: released at once)."""
+        return float(self._c.keep_for_s)
+
+    @property
+    def resumed(self) -> bool:
+        """This session attached with resume=True to an existing job."""
+        return bool(self._c.resumed)
+
+    def checkpoint(self, job: str, fd: int) -> int:
+        """Has tsd write `job`'s optimizer state (a job of this uid) into `fd`, a regular file
+        opened for writing, with a checksum per tensor; returns the bytes written. Uses a
+        connection of its own (this client must not be attached). `tsctl checkpoint` wraps this
+        with the temporary file, fsync and rename."""
+        return int(self._c.checkpoint(job, fd))
 
     def detach(self) -> None:
         """Leaves the job (the daemon releases it with its last session); the connection stays."""
@@ -291,6 +313,13 @@ class Client:
         handle = self._c.register_optimizer(**spec)
         self._optimizer_registered = True
         return handle
+
+    def _resume_optimizer(self, **spec: Any) -> tuple[Any, dict[str, Any]]:
+        if not self._c.attached:
+            raise FailedPrecondition("attach the client to a job before resuming it (resume=True)")
+        handle, report = self._c.resume_optimizer(**spec)
+        self._optimizer_registered = True
+        return handle, report
 
     def __repr__(self) -> str:
         state = f"job={self.job!r}" if self.attached else "not attached"

@@ -86,6 +86,12 @@ class Session:
         self.handle: Any = None  # the extension's Optimizer
         self.params: list[ParamSlots] = []      # by bucket
         self.by_param: dict[int, ParamSlots] = {}  # id(param) -> its slots
+        self.param_names: dict[int, str] = {}  # id(param) -> its name in the model (for messages)
+        # Kept and resumed jobs (resume.py): the step marks, the buckets whose deliveries the first
+        # resumed step skips (updated already in the step the dead trainer was in), what resume found.
+        self.marks: Any = None
+        self.skip: set[int] = set()
+        self.resumed: Any = None
         self.closed = False
         self.failure: Optional[TsdError] = None  # what ended the session's use of tsd, if tsd did
         self.offloading = True
@@ -150,6 +156,9 @@ class Session:
             raise TsdError("this model was unwrapped; wrap it again to train it")
         ps = self.by_param[id(p)]
         b = ps.bucket
+        if b in self.skip:  # resumed: tsd applied this bucket's update of this step before the crash
+            p.grad = None
+            return
         n = self.counts.get(b, 0) + 1
         if b in self.finaled:
             raise RuntimeError(
@@ -248,6 +257,9 @@ class Session:
             with torch.no_grad():
                 p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
             ps.version = p._version
+        if self.marks is not None:
+            self.marks.record(self.steps + 1, self.finaled | self.skip)
+        self.skip.clear()
         self.finaled.clear()
         self.counts.clear()
         self.hyper = None

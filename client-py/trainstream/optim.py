@@ -9,6 +9,7 @@ from typing import IO, Any, Callable, Optional, Union
 import torch
 
 from . import _state, planner
+from ._state_checks import check_state_dict
 from .engine import ParamSlots, Session
 from .errors import TsdError
 from .paging.activations import ActivationProfiler, page_blocks
@@ -118,11 +119,17 @@ class TsdAdamW(torch.optim.Optimizer):
         sd["state"] = dict(sorted(state.items()))
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, allow_missing: bool = False) -> None:
         """Writes a state_dict (this optimizer's, or torch.optim.AdamW's) into tsd. The file the
         daemon reads is filled one tensor at a time, each converted as it is written. A saved
         "master" is used only where it rounds to the model's parameter (it adds precision below
-        a bf16/fp16 parameter, never other values); otherwise the parameter is the truth."""
+        a bf16/fp16 parameter, never other values); otherwise the parameter is the truth.
+
+        Everything is checked before anything is written (`_state_checks`): a non-finite value,
+        a negative `exp_avg_sq`, a negative or fractional `step`, or a trainable parameter
+        without state while others have some is refused with a ValueError naming the parameter,
+        and nothing changes. `allow_missing=True` loads parameters without state as never
+        stepped (torch keeps no state for a parameter that never got a gradient)."""
         if self._inner is not None:
             return self._inner.load_state_dict(state_dict)
         self._check()
@@ -134,6 +141,9 @@ class TsdAdamW(torch.optim.Optimizer):
         s = self._session
         params = self._index()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        # Sizes from the slots' shapes: a paged parameter is an empty tensor between uses.
+        check_state_dict(saved_state, [(i, s.by_param[id(p)].shape.numel(), s.param_names.get(id(p), f"parameter {i}"))
+                                       for i, p in enumerate(params) if id(p) in s.by_param], allow_missing)
         mdt = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
         e = _state.entry
         entries: dict[str, Any] = {}

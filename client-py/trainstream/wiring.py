@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import planner
+from . import planner, resume
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
@@ -50,7 +50,8 @@ _jobs = itertools.count()
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
-    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None}
+    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
+    "keep_for": None, "resume": False}
 
 
 @dataclasses.dataclass
@@ -104,6 +105,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
         raise ValueError("max_grad_norm must be a finite number >= 0")
     parse_bytes(out["quota"])  # a bad size is refused before anything happens
+    resume.check_options(out)
     return out
 
 
@@ -341,15 +343,23 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         # ---- from here on, the plan is applied
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)
         if attached is None:
-            client.attach(job, opts["quota"])
-        with Progress("wrap: registering the optimizer in tsd", counted=False):
-            handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+            client.attach(job, opts["quota"], keep_for=opts["keep_for"], resume=opts["resume"])
+        report = None
+        if opts["resume"]:
+            handle, report, moment_dtype = resume.register(client, prep.request, plan.moment_dtype,
+                                                           prep.moment_dtype == "auto")
+            plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
+        else:
+            with Progress("wrap: registering the optimizer in tsd", counted=False):
+                handle = client._register_optimizer(**prep.request(plan.moment_dtype))
     except BaseException:
         if owns_client:
             client.close()
         raise
 
     session = Session(device, client, owns_client, opts, budget)
+    session.param_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]))
     session.handle = handle
     session.moment_dtype = plan.moment_dtype
     session.state_bytes = handle.state_bytes
@@ -360,17 +370,22 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     for b, (p, gi, index) in enumerate(track(prep.buckets, "wrap: parameters into tsd", _bucket_bytes, "bytes")):
         ps = ParamSlots(p, b, gi, index)
         ps.master, ps.grad_slot, ps.param_slot = handle.master(b), handle.grad(b), handle.param(b)
-        session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this
+        if resumed is None:
+            session.sync_master(ps)  # from the parameter in its own dtype: param_dtype= casts after this
+        else:
+            resume.restore_parameter(p, ps.master, ps.param_slot, resumed.bucket_steps[b] > 0)  # tsd's state wins
         if id(p) in paged_params:
             pass  # the pager writes it (cast to param_dtype) into its parameter slot: it never visits the device
         elif work is not None and p.dtype != work:
             p.data = p.data.to(device=device if device.type == "cuda" else p.device, dtype=work)
             ps.version = p._version
+        ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
     wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
-    if any(len(v) for v in optimizer.state.values()):
-        wrapped.load_state_dict(optimizer.state_dict())  # an optimizer that already stepped keeps its state
+    if resumed is None and any(len(v) for v in optimizer.state.values()):
+        # An optimizer that already stepped keeps its state (torch keeps none for gradless parameters).
+        wrapped.load_state_dict(optimizer.state_dict(), allow_missing=True)
     if session.pager is not None:  # after the state is loaded: it reads the parameters
         try:
             _start_weight_paging(session, opts, first_paged)

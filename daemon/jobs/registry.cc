@@ -52,7 +52,7 @@ v1::RegionInfo Registry::Describe(const Region& r) {
 }
 
 absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t quota_bytes,
-                                              uid_t uid, pid_t pid) {
+                                              uid_t uid, pid_t pid, const AttachOptions& extra) {
   TSD_RETURN_IF_ERROR(wire::ValidateName("job", job));
   MutexLock lock(mu_);
   AttachResult result;
@@ -63,6 +63,8 @@ absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t q
         absl::StrCat("job '", job, "' belongs to uid ", it->second.uid, "; uid ", uid,
                      " may not attach to it (pick another job name)"));
   }
+  TSD_RETURN_IF_ERROR(
+      CheckAttachOptionsLocked(job, it == jobs_.end() ? nullptr : &it->second, extra));
   if (it == jobs_.end()) {
     if (jobs_.size() >= options_.max_jobs) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -88,7 +90,13 @@ absl::StatusOr<AttachResult> Registry::Attach(const std::string& job, uint64_t q
   result.session_id = s.id;
   sessions_.emplace(s.id, std::move(s));
   it->second.sessions.insert(result.session_id);
+  if (extra.resume) {
+    result.resumed = true;
+    if (it->second.orphaned_since) result.orphaned_for = absl::Now() - *it->second.orphaned_since;
+  }
+  if (extra.keep_for > absl::ZeroDuration()) it->second.keep_for = extra.keep_for;
   it->second.orphaned_since.reset();
+  result.keep_for = GraceLocked(it->second);
   result.quota_bytes = it->second.quota_bytes;
   spdlog::info("event=session_attached job={} session={} uid={} pid={}", job, result.session_id,
                uid, pid);
@@ -318,11 +326,22 @@ void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Relea
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
   job->second.sessions.erase(session_id);
+  // A job whose trainer died keeps its optimizer without a session driving it (optimizer_session
+  // 0) until a resume takes it over: a resuming session that gives up (e.g. on a mismatched
+  // registration) and detaches leaves a kept job kept.
+  if (why != ReleaseReason::kDetach && job->second.optimizer_session == session_id) {
+    job->second.optimizer_session = 0;
+  }
   if (!job->second.sessions.empty()) return;
-  if (options_.orphan_grace <= absl::ZeroDuration() || why == ReleaseReason::kDetach) {
+  const bool abandoned = job->second.optimizer != nullptr && !job->second.optimizer->failed() &&
+                         job->second.optimizer_session == 0;
+  if (GraceLocked(job->second) <= absl::ZeroDuration() ||
+      (why == ReleaseReason::kDetach && !abandoned)) {
     ReleaseJobLocked(job_name, why, dead);
   } else {
     job->second.orphaned_since = absl::Now();
+    spdlog::info("event=job_kept job={} keep_for={} reason={}", job_name,
+                 absl::FormatDuration(GraceLocked(job->second)), ReleaseReasonName(why));
   }
 }
 
@@ -362,7 +381,7 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   }
   std::vector<std::string> orphans;
   for (const auto& [name, job] : jobs_) {
-    if (job.orphaned_since && now - *job.orphaned_since >= options_.orphan_grace)
+    if (job.orphaned_since && now - *job.orphaned_since >= GraceLocked(job))
       orphans.push_back(name);
   }
   for (const auto& name : orphans) ReleaseJobLocked(name, ReleaseReason::kOrphanGraceExpired, dead);

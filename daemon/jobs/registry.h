@@ -48,6 +48,8 @@ struct RegistryOptions {
   uint64_t max_job_quota_bytes = 0;
   bool lock_memory = false;
   absl::Duration orphan_grace = absl::ZeroDuration();
+  // The longest keep_for a job may ask for (daemon/jobs/keep.cc).
+  absl::Duration max_keep_for = absl::Hours(1);
   // Region budgets (daemon/ops/resource_budget.h): each region costs a descriptor and a mapping.
   size_t max_regions_per_job = 65536;
   size_t max_regions_per_uid = 65536;
@@ -84,11 +86,22 @@ struct JobRef {
   uint64_t instance = 0;
 };
 
+// What an attach asks beyond the job and quota (daemon/jobs/keep.cc).
+struct AttachOptions {
+  // Keep the job this long after its last session dies (0: orphan_grace); <= max_keep_for.
+  absl::Duration keep_for = absl::ZeroDuration();
+  // Continue an existing (kept) job; it must exist.
+  bool resume = false;
+};
+
 struct AttachResult {
   uint64_t session_id = 0;
   std::string job;
   uint64_t quota_bytes = 0;
   bool job_created = false;
+  absl::Duration keep_for = absl::ZeroDuration();
+  bool resumed = false;
+  absl::Duration orphaned_for = absl::ZeroDuration();  // resumed: how long it had no session
 };
 
 // A session the registry ended on its own (Sweep), and why, so its connection can be told.
@@ -118,7 +131,7 @@ class Registry final {
   // Starts a session of `job` for the caller `uid`/`pid` (from SO_PEERCRED), creating the job on
   // first attach. Another uid's job is refused with PERMISSION_DENIED and changes nothing.
   absl::StatusOr<AttachResult> Attach(const std::string& job, uint64_t quota_bytes, uid_t uid,
-                                      pid_t pid);
+                                      pid_t pid, const AttachOptions& extra = {});
   absl::StatusOr<v1::RegionInfo> Alloc(uint64_t session_id, const std::string& name,
                                        uint64_t size_bytes);
   absl::StatusOr<uint64_t> Free(uint64_t session_id, uint64_t region_id);
@@ -146,6 +159,16 @@ class Registry final {
                                 const std::vector<uint64_t>& region_ids,
                                 const OptimizerFactory& make);
   // --- end of optimizer registration -----------------------------------------------------------
+  // --- Kept jobs (daemon/jobs/keep.cc) ----------------------------------------------------------
+  // The job's optimizer, for a session that attached with resume, after `check(kept plan)`
+  // accepts it; the session becomes the one told when the optimizer fails.
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> TakeOverOptimizer(
+      uint64_t session_id, const std::function<absl::Status(const OptimizerPlan&)>& check);
+  // The optimizer of `job` for a checkpoint asked by `uid` (with no session): NOT_FOUND without
+  // one, PERMISSION_DENIED for another uid's job.
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerForCheckpoint(const std::string& job,
+                                                                       uid_t uid);
+  // --- end of kept jobs --------------------------------------------------------------------------
   // The job of a session (NOT_FOUND when the session has ended).
   absl::StatusOr<JobRef> SessionJob(uint64_t session_id);
   // The optimizer of a session's job (NOT_FOUND when there is none).
@@ -203,6 +226,7 @@ class Registry final {
     std::set<std::string> names;  // of regions, including allocations in flight
     std::set<uint64_t> sessions;
     std::optional<absl::Time> orphaned_since;
+    absl::Duration keep_for = absl::ZeroDuration();  // asked at attach (AttachOptions)
     std::shared_ptr<JobOptimizer> optimizer;
     uint64_t optimizer_session = 0;  // the session that registered it (closed if it fails)
   };
@@ -228,6 +252,12 @@ class Registry final {
                                                uint64_t size_bytes);
   // Refuses a new region of `job` beyond the per-job, per-uid or node region budget.
   absl::Status CheckRegionBudgetLocked(const Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How long `job` is kept once it has no session: its keep_for, else orphan_grace.
+  absl::Duration GraceLocked(const Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks an attach's AttachOptions against `existing` (null: the job would be created).
+  absl::Status CheckAttachOptionsLocked(const std::string& job, const Job* existing,
+                                        const AttachOptions& extra) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static v1::RegionInfo Describe(const Region& r);
   v1::JobInfo DescribeJob(const std::string& name, const Job& job) const;
 

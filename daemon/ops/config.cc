@@ -267,6 +267,10 @@ absl::StatusOr<LoadedConfig> LoadConfig(int argc, char** argv) {
   if (!grace.ok())
     return absl::InvalidArgumentError(absl::StrCat("orphan_grace: ", grace.status().message()));
   c.orphan_grace_duration = *grace;
+  auto max_keep = ParseDurationArg(c.max_keep_for);
+  if (!max_keep.ok())
+    return absl::InvalidArgumentError(absl::StrCat("max_keep_for: ", max_keep.status().message()));
+  c.max_keep_for_duration = *max_keep;
   auto store_budget = ParseSize(c.store_budget, c.pool_bytes);
   if (!store_budget.ok()) {
     return absl::InvalidArgumentError(

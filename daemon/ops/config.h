@@ -22,6 +22,7 @@ struct Config {
   std::string pool_size;       // as given: "64GiB", "512MiB", "60%" (of RAM), or bytes
   std::string max_job_quota;   // as given; a share is of the pool
   std::string orphan_grace;    // how long a job without live sessions keeps its memory
+  std::string max_keep_for;    // the longest keep_for a job may ask (daemon/jobs/keep.cc)
   std::string log_level;       // trace, debug, info, warn, error, critical, off
   std::string metrics_listen;  // Prometheus endpoint "host:port"; empty = off
   bool metrics_listen_set = false;     // named by a flag or the file: failing to listen is fatal
@@ -46,6 +47,7 @@ struct Config {
   uint64_t pool_bytes = 0;
   uint64_t max_job_quota_bytes = 0;
   absl::Duration orphan_grace_duration = absl::ZeroDuration();
+  absl::Duration max_keep_for_duration = absl::Hours(1);
   uint64_t store_budget_bytes = 0;
   absl::Duration store_keep_duration = absl::ZeroDuration();
 };

@@ -24,6 +24,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/observer.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -93,6 +94,23 @@ class JobOptimizer final {
   absl::StatusOr<uint64_t> SaveState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
   // Reads state written by SaveState; validates everything before changing anything.
   absl::StatusOr<uint64_t> LoadState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
+
+  // --- Resuming a kept job (job_optimizer_resume.cc) ---
+  // Where the optimizer stands once Resume() settled what a dead trainer left in flight.
+  struct ResumePoint {
+    std::vector<uint64_t> bucket_steps;     // steps applied to each bucket
+    uint64_t committed = 0;                 // commits applied
+    std::vector<uint32_t> rolled_back;      // held final deliveries dropped (clipping, no commit)
+    std::vector<uint32_t> dropped_partial;  // half-accumulated gradients dropped
+  };
+  // Lets every delivery already rung (and a commit already asked) finish, then drops final
+  // deliveries held for a commit that will never come and forgets partial accumulations, so a
+  // new trainer starts at a step boundary. DEADLINE_EXCEEDED when work does not finish within
+  // `timeout`; FAILED_PRECONDITION when the optimizer has failed.
+  absl::StatusOr<ResumePoint> Resume(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(state_mu_);
+  // OK when a registration planned as `asked` may take over an optimizer planned as `kept`;
+  // else FAILED_PRECONDITION naming the first difference (hyperparameters may differ).
+  static absl::Status CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked);
 
  private:
   // The dispatcher's view of one bucket (workers touch only the atomics, `partial` and `held`,

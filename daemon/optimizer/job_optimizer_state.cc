@@ -10,7 +10,14 @@
 
 #include <nlohmann/json.hpp>
 
+// xxHash compiled in (header only): the state's checksums.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <map>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "proto/state_format.h"
 #include "proto/status_macros.h"
@@ -19,6 +26,17 @@ namespace tsd {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
+// The metadata key of the entries' checksums: "<name>:<16 hex digits of xxh3-64>,..." in file
+// order. Written by SaveState; verified by LoadState when present (state files written by other
+// tools, such as the Python client's load_state_dict(), carry none).
+constexpr char kChecksumKey[] = "xxh3_64";
+
+std::string Hex64(uint64_t v) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) out[static_cast<size_t>(i)] = kDigits[v & 0xf];
+  return out;
+}
 
 const char* SafetensorsDType(kernels::DType d) {
   switch (d) {
@@ -105,11 +123,17 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
     entries.push_back({wire::StateEntryName(b, wire::StatePart::kStep), "I64", 1,
                        reinterpret_cast<char*>(&steps[b]), 8});
   }
+  std::string checksums;
+  for (const auto& e : entries) {
+    absl::StrAppend(&checksums, checksums.empty() ? "" : ",", e.name, ":",
+                    Hex64(XXH3_64bits(e.data, e.bytes)));
+  }
   nlohmann::json header;
   header["__metadata__"] = {{"format", wire::kStateFormat},
                             {"buckets", std::to_string(runs_.size())},
                             {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
-                            {"committed", std::to_string(committed_local_)}};
+                            {"committed", std::to_string(committed_local_)},
+                            {kChecksumKey, checksums}};
   uint64_t offset = 0;
   for (const auto& e : entries) {
     header[e.name] = {
@@ -171,6 +195,7 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
     uint64_t begin;
     uint64_t bytes;
     char* dest;
+    std::string name;
   };
   std::vector<Source> sources;
   std::vector<int64_t> steps(runs_.size());
@@ -213,7 +238,7 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
                                                        begin, ", ", end, ") that do not fit ",
                                                        e.bytes, " bytes in the file"));
       }
-      sources.push_back({data_start + begin, e.bytes, e.data});
+      sources.push_back({data_start + begin, e.bytes, e.data, e.name});
     }
   }
   if (header.size() != expected_entries) {
@@ -229,6 +254,33 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   for (const auto& s : sources) {
     TSD_RETURN_IF_ERROR(ReadAll(fd, staging.data() + at, s.bytes, s.begin));
     at += s.bytes;
+  }
+  if (meta->contains(kChecksumKey)) {
+    // Every tensor's checksum, before anything is changed.
+    if (!(*meta)[kChecksumKey].is_string()) {
+      return absl::InvalidArgumentError("the state file's checksums are not a string");
+    }
+    std::map<std::string, std::string, std::less<>> want;
+    for (absl::string_view item : absl::StrSplit((*meta)[kChecksumKey].get<std::string>(), ',')) {
+      const size_t colon = item.rfind(':');
+      if (colon == absl::string_view::npos) {
+        return absl::InvalidArgumentError("the state file's checksums are malformed");
+      }
+      want[std::string(item.substr(0, colon))] = std::string(item.substr(colon + 1));
+    }
+    at = 0;
+    for (const auto& s : sources) {
+      const std::string got = Hex64(XXH3_64bits(staging.data() + at, s.bytes));
+      const auto it = want.find(s.name);
+      if (it == want.end() || it->second != got) {
+        return absl::DataLossError(absl::StrCat(
+            "the state file is corrupt: tensor '", s.name, "' has checksum xxh3-64 ", got,
+            it == want.end() ? ", and the file records none for it"
+                             : absl::StrCat(" but the file records ", it->second),
+            "; nothing was loaded (use an intact copy of the checkpoint)"));
+      }
+      at += s.bytes;
+    }
   }
   at = 0;
   for (const auto& s : sources) {

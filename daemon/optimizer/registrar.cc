@@ -11,6 +11,7 @@ namespace tsd {
 
 absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
     uint64_t session_id, const v1::RegisterOptimizerRequest& req) {
+  if (req.resume()) return Resume(session_id, req);
   const RegistryOptions options = registry_.options();  // a consistent copy (SIGHUP may resize)
   if (options.pool == nullptr) {
     return absl::InternalError("this daemon runs without an optimizer engine");

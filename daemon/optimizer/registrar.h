@@ -34,6 +34,12 @@ class Registrar final {
                                                          const v1::RegisterOptimizerRequest& req);
 
  private:
+  // A registration with `resume`: takes over the job's kept optimizer when `req` matches it,
+  // settles it (JobOptimizer::Resume) and returns its layout with the report
+  // (daemon/optimizer/resume.cc). Allocates nothing.
+  absl::StatusOr<v1::RegisterOptimizerResponse> Resume(uint64_t session_id,
+                                                       const v1::RegisterOptimizerRequest& req);
+
   Registry& registry_;
   const AfterAlloc after_alloc_;
 };

@@ -4,8 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -48,6 +50,8 @@ const char* KindName(const v1::SideRequest& r) {
       return "open_store";
     case v1::SideRequest::kCloseStore:
       return "close_store";
+    case v1::SideRequest::kCheckpoint:
+      return "checkpoint";
     case v1::SideRequest::KIND_NOT_SET:
       break;
   }
@@ -96,8 +100,8 @@ absl::Status CheckStateFd(int fd, bool save) {
 SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest& request, int fd) {
   SideOutcome out;
   out.reply.set_request_id(request.request_id());
-  const bool wants_fd =
-      request.has_save_state() || request.has_load_state() || request.has_store_file();
+  const bool wants_fd = request.has_save_state() || request.has_load_state() ||
+                        request.has_store_file() || request.has_checkpoint();
   if (fd >= 0 && !wants_fd) {
     // Only state and store_file requests carry a descriptor: any other is closed unread, so no
     // client can make the daemon hold descriptors.
@@ -140,6 +144,21 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     SideOutcome attached = Attach(caller, request.attach());
     attached.reply.set_request_id(request.request_id());
     return attached;
+  }
+  if (request.has_checkpoint()) {
+    // A connection's only request, with no session (tsctl checkpoint): it closes afterwards.
+    auto written = caller.session_id != 0
+                       ? absl::StatusOr<uint64_t>(absl::FailedPreconditionError(
+                             "checkpoint is a request of its own connection, not of a session"))
+                       : Checkpoint(caller, request.checkpoint().job(), fd);
+    if (!written.ok()) {
+      SetError(out.reply, written.status());
+    } else {
+      out.reply.mutable_state()->set_bytes(*written);
+    }
+    out.close = caller.session_id == 0;
+    out.close_reason = "checkpoint_done";
+    return out;
   }
   if (caller.session_id == 0) {
     SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
@@ -227,6 +246,7 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
       break;
     }
     case v1::SideRequest::kAttach:
+    case v1::SideRequest::kCheckpoint:
     case v1::SideRequest::KIND_NOT_SET:
       break;  // handled above
   }
@@ -254,7 +274,13 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
     out.close_reason = "protocol_version";
     return out;
   }
-  auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid);
+  AttachOptions extra;
+  // Capped before the conversion so no client value overflows; the registry refuses it above
+  // max_keep_for, saying the limit.
+  extra.keep_for = absl::Milliseconds(
+      static_cast<int64_t>(std::min<uint64_t>(attach.keep_for_ms(), uint64_t{1} << 50)));
+  extra.resume = attach.resume();
+  auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid, extra);
   if (!result.ok()) {
     spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\"", caller.uid, caller.pid,
                  std::string(result.status().message()));
@@ -271,6 +297,9 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
   reply->set_job_created(result->job_created);
   reply->set_protocol_version(wire::kProtocolVersion);
   reply->set_daemon_version(kVersion);
+  reply->set_keep_for_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(result->keep_for)));
+  reply->set_resumed(result->resumed);
+  reply->set_orphaned_s(absl::ToDoubleSeconds(result->orphaned_for));
   out.bound_session = result->session_id;
   return out;
 }
@@ -279,6 +308,30 @@ absl::StatusOr<uint64_t> SideHandler::State(uint64_t session_id, bool save, int 
   TSD_RETURN_IF_ERROR(CheckStateFd(fd, save));
   TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer, registry_.OptimizerOf(session_id));
   return save ? optimizer->SaveState(fd) : optimizer->LoadState(fd);
+}
+
+}  // namespace tsd
+
+namespace tsd {
+
+absl::StatusOr<uint64_t> SideHandler::Checkpoint(const SideCaller& caller, const std::string& job,
+                                                 int fd) {
+  TSD_RETURN_IF_ERROR(CheckStateFd(fd, /*save=*/true));
+  TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer,
+                       registry_.OptimizerForCheckpoint(job, caller.uid));
+  // This runs on a request worker, not the side socket's thread. A job that is stepping is
+  // written between two of its deliveries: wait for such a moment for a while.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  for (;;) {
+    absl::StatusOr<uint64_t> written = optimizer->SaveState(fd);
+    if (written.ok() || written.status().code() != absl::StatusCode::kFailedPrecondition ||
+        absl::Now() > deadline) {
+      spdlog::info("event=checkpoint job={} uid={} pid={} bytes={} error=\"{}\"", job, caller.uid,
+                   caller.pid, written.value_or(0), std::string(written.status().message()));
+      return written;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 }  // namespace tsd

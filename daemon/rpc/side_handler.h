@@ -51,6 +51,8 @@ class SideHandler final {
   SideOutcome Attach(const SideCaller& caller, const v1::SideAttach& attach);
   // Save or load the job's optimizer state through `fd`, a file the trainer opened.
   absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd);
+  // tsctl checkpoint: writes `job`'s optimizer state into `fd` for its owner (side_handler.cc).
+  absl::StatusOr<uint64_t> Checkpoint(const SideCaller& caller, const std::string& job, int fd);
   // store_file, open_store and close_store (side_handler_stores.cc); takes `fd`.
   absl::Status Store(uint64_t session_id, const v1::SideRequest& request, int fd, SideOutcome& out);
 

@@ -35,6 +35,16 @@ namespace tsd {
 
 class Optimizer;
 struct OptimizerSpec;
+struct ResumeReport;
+
+// What an attach asks beyond the job and its quota (docs/daemon.md, "Kept jobs and resuming").
+struct JobOptions {
+  // Keep the job (regions, optimizer state, quota charge) this long after its last session dies
+  // rather than detaches; 0: the daemon's orphan_grace. At most the daemon's max_keep_for.
+  absl::Duration keep_for = absl::ZeroDuration();
+  // Continue an existing job (one kept after its trainer died): NOT_FOUND when there is none.
+  bool resume = false;
+};
 
 // The daemon's pool, as `Client::Status` reports it.
 struct PoolStatus {
@@ -133,6 +143,23 @@ class Client final {
   // Joins or creates `job`. `quota_bytes` 0 asks for the daemon's maximum; the granted quota is
   // `quota_bytes()` afterwards. One client holds at most one session.
   absl::Status Attach(const std::string& job, uint64_t quota_bytes = 0);
+  // The same, keeping the job after a crash or resuming a kept one (`options`).
+  absl::Status Attach(const std::string& job, uint64_t quota_bytes, const JobOptions& options);
+  // After a resume attach: takes over the job's kept optimizer, which must match `spec` (the
+  // same buckets, groups, dtypes and options; else FAILED_PRECONDITION naming the difference),
+  // once tsd settled what the dead trainer left in flight; `report` (may be null) says where
+  // each bucket stands. Nothing is allocated.
+  absl::StatusOr<std::unique_ptr<Optimizer>> ResumeOptimizer(const OptimizerSpec& spec,
+                                                             ResumeReport* report);
+  // Writes the optimizer state of `job` (the caller's uid's) into `fd`, a regular file this
+  // process opened for writing, with a checksum of every tensor (`tsctl checkpoint`). Uses a
+  // connection of its own; this client need not be attached.
+  absl::StatusOr<uint64_t> Checkpoint(const std::string& job, int fd);
+  // How long the attached job is kept after its last session dies, and whether this session
+  // resumed it and how long it had been without a session.
+  absl::Duration keep_for() const;
+  bool resumed() const;
+  double orphaned_s() const;
   // Ends the session; the job is released with its last session.
   absl::Status Detach();
   // Allocates a region of at least `bytes` (rounded up to pages) and maps it.
@@ -182,6 +209,9 @@ class Client final {
   struct Impl;
   explicit Client(std::string socket_path);
   absl::StatusOr<std::shared_ptr<Region>> FetchAndMap(uint64_t region_id);
+  // RegisterOptimizer and ResumeOptimizer.
+  absl::StatusOr<std::unique_ptr<Optimizer>> Register(const OptimizerSpec& spec, bool resume,
+                                                      ResumeReport* report);
   friend class Optimizer;
   // Sends a state request with `fd` on the side socket; returns the bytes the daemon moved.
   absl::StatusOr<uint64_t> StateRequest(bool save, int fd);

@@ -66,6 +66,15 @@ struct OptimizerSpec {
   bool maximize = false;
 };
 
+// Where a resumed optimizer stands (Client::ResumeOptimizer): tsd finished every delivery the
+// dead trainer had rung (and a commit it had asked), and dropped what waited for the trainer.
+struct ResumeReport {
+  std::vector<uint64_t> bucket_steps;     // optimizer steps applied to each bucket
+  uint64_t committed = 0;                 // commits applied (with clipping: steps completed)
+  std::vector<uint32_t> rolled_back;      // buckets whose held final delivery was dropped
+  std::vector<uint32_t> dropped_partial;  // buckets whose partial accumulation was dropped
+};
+
 class Optimizer final {
  public:
   ~Optimizer();
@@ -122,6 +131,8 @@ class Optimizer final {
   // installed header needs no mutex type of tsd's).
   struct CommitState;
   Optimizer();
+  // A resumed optimizer continues the commit count the dead trainer reached.
+  void ContinueCommits(uint64_t committed);
   // Waits until `done()` or the daemon reports a failure or disappears.
   template <typename Done>
   absl::Status WaitUntil(Done done, absl::Duration timeout, const char* what);

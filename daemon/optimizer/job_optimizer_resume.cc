@@ -1,0 +1,144 @@
+// JobOptimizer's side of resuming a kept job (daemon/jobs/keep.cc): settling what a trainer that
+// died left on the control page, and checking that a new registration describes the same
+// optimizer.
+//
+// A trainer can die at any point of a step. Whatever it had rung before it died is whole (it
+// writes a gradient before it publishes the delivery), so the daemon finishes it: an update in
+// flight always completes, never leaving a torn master or moment. What it cannot finish are
+// deliveries that wait for the trainer: with clipping, final deliveries held until the step's
+// commit; with accumulation, a bucket's partial sum. Neither has changed a master or a moment,
+// so both are dropped (rolled back) and the new trainer starts at a step boundary. Buckets that
+// were updated in the interrupted step (without clipping they update as backward goes) keep
+// their update: their step counts say so, and the client decides what to do with them.
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/optimizer/job_optimizer.h"
+#include "kernels/cpu/adamw.h"
+#include "spdlog/spdlog.h"
+
+namespace tsd {
+namespace {
+
+const char* DTypeName(kernels::DType d) {
+  switch (d) {
+    case kernels::DType::kF32:
+      return "float32";
+    case kernels::DType::kBF16:
+      return "bfloat16";
+    case kernels::DType::kF16:
+      return "float16";
+  }
+  return "?";
+}
+
+}  // namespace
+
+absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked) {
+  const auto differ = [](const std::string& what) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the registration does not match the kept job's optimizer: ", what,
+        "; resume with the same model, parameter groups and wrap() options as the run that "
+        "died (or start afresh under another job name)"));
+  };
+  if (kept.groups.size() != asked.groups.size()) {
+    return differ(absl::StrCat("the kept job has ", kept.groups.size(), " parameter groups, this ",
+                               "registration ", asked.groups.size()));
+  }
+  if (kept.buckets.size() != asked.buckets.size()) {
+    return differ(absl::StrCat("the kept job has ", kept.buckets.size(),
+                               " trainable parameters (buckets), this registration ",
+                               asked.buckets.size()));
+  }
+  for (size_t b = 0; b < kept.buckets.size(); ++b) {
+    const BucketPlan &k = kept.buckets[b], &a = asked.buckets[b];
+    if (k.numel != a.numel) {
+      return differ(absl::StrCat("bucket ", b, " has ", k.numel, " elements in the kept job, ",
+                                 a.numel, " here"));
+    }
+    if (k.group != a.group) {
+      return differ(absl::StrCat("bucket ", b, " is in parameter group ", k.group,
+                                 " in the kept job, ", a.group, " here"));
+    }
+    if (k.grad_dtype != a.grad_dtype || k.param_dtype != a.param_dtype) {
+      return differ(absl::StrCat("bucket ", b, " is ", DTypeName(k.param_dtype), " (gradients ",
+                                 DTypeName(k.grad_dtype), ") in the kept job, ",
+                                 DTypeName(a.param_dtype), " (gradients ", DTypeName(a.grad_dtype),
+                                 ") here"));
+    }
+  }
+  if (kept.moment_dtype != asked.moment_dtype) {
+    return differ(absl::StrCat("the kept job's moments are ", DTypeName(kept.moment_dtype),
+                               ", this registration asks ", DTypeName(asked.moment_dtype)));
+  }
+  if (kept.max_grad_norm != asked.max_grad_norm) {
+    return differ(absl::StrCat("the kept job clips at max_grad_norm=", kept.max_grad_norm,
+                               ", this registration asks ", asked.max_grad_norm));
+  }
+  if (kept.accumulate != asked.accumulate) {
+    return differ(absl::StrCat("the kept job was registered with", kept.accumulate ? "" : "out",
+                               " gradient accumulation, this ", "registration ",
+                               asked.accumulate ? "with" : "without"));
+  }
+  if (kept.seed != asked.seed) {
+    return differ(absl::StrCat("the kept job's stochastic-rounding seed is ", kept.seed,
+                               ", this registration's ", asked.seed));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    if (failed()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the kept optimizer of job '", job_, "' has stopped: ", failure()));
+    }
+    {
+      MutexLock lock(state_mu_);
+      // Work the dead trainer started must end first: an update in flight, a delivery rung but
+      // not yet taken, a commit asked but not yet applied.
+      bool settled = !(commit_running_ && commit_left_.load(std::memory_order_acquire) != 0) &&
+                     page_.header->commit.load(std::memory_order_acquire) == committed_local_;
+      for (size_t b = 0; settled && b < runs_.size(); ++b) {
+        const BucketRun& r = *runs_[b];
+        settled = !r.busy.load(std::memory_order_acquire) &&
+                  page_.buckets[b].ready.load(std::memory_order_acquire) == r.done_local;
+      }
+      if (settled) {
+        ResumePoint point;
+        for (size_t b = 0; b < runs_.size(); ++b) {
+          BucketRun& r = *runs_[b];
+          if (r.held) {
+            // A final delivery waiting for a commit: nothing of it was applied. Dropped.
+            r.held = false;
+            page_.buckets[b].done.store(r.pending, std::memory_order_release);
+            point.rolled_back.push_back(static_cast<uint32_t>(b));
+          } else if (r.done_local > 0 && (page_.buckets[b].flags.load(std::memory_order_acquire) &
+                                          wire::kDeliveryFinal) == 0) {
+            // The accumulator holds a partial sum; the next trainer's first delivery of a step
+            // (kDeliveryFirst) starts it afresh.
+            point.dropped_partial.push_back(static_cast<uint32_t>(b));
+          }
+          point.bucket_steps.push_back(static_cast<uint64_t>(r.steps));
+        }
+        point.committed = committed_local_;
+        spdlog::info(
+            "event=optimizer_settled job={} committed={} rolled_back={} dropped_partial={}", job_,
+            point.committed, point.rolled_back.size(), point.dropped_partial.size());
+        return point;
+      }
+    }
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the kept optimizer of job '", job_,
+                       "' did not finish the work its last trainer left "
+                       "within ",
+                       absl::FormatDuration(timeout), "; try resuming again"));
+    }
+    Kick();  // the dispatcher takes what was rung
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace tsd

@@ -1,0 +1,49 @@
+// Registrar::Resume: a restarted trainer's registration takes over its kept job's optimizer
+// (docs/daemon.md, "Kept jobs and resuming"). The request is planned as a new registration would
+// be, compared with the kept optimizer's plan, and, when they match, answered with the kept
+// layout (the client maps the same regions) and a report of where each bucket stands.
+#include "absl/strings/str_cat.h"
+#include "daemon/optimizer/registrar.h"
+#include "proto/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace tsd {
+namespace {
+
+// How long a resume waits for the work the dead trainer left to finish.
+constexpr absl::Duration kSettleTimeout = absl::Seconds(60);
+
+}  // namespace
+
+absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Resume(
+    uint64_t session_id, const v1::RegisterOptimizerRequest& req) {
+  const RegistryOptions options = registry_.options();
+  if (options.pool == nullptr) {
+    return absl::InternalError("this daemon runs without an optimizer engine");
+  }
+  TSD_ASSIGN_OR_RETURN(const OptimizerPlan asked, JobOptimizer::Plan(req, options.pool_bytes));
+  TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer,
+                       registry_.TakeOverOptimizer(session_id, [&](const OptimizerPlan& kept) {
+                         return JobOptimizer::CheckSameLayout(kept, asked);
+                       }));
+  TSD_ASSIGN_OR_RETURN(const JobOptimizer::ResumePoint point, optimizer->Resume(kSettleTimeout));
+  const OptimizerPlan& layout = optimizer->plan();
+  v1::RegisterOptimizerResponse resp;
+  for (const auto& b : layout.buckets) {
+    auto* l = resp.add_buckets();
+    l->set_master_offset(b.master_offset);
+    l->set_grad_offset(b.grad_offset);
+    l->set_param_offset(b.param_offset);
+  }
+  resp.set_state_bytes(layout.total_bytes());
+  resp.set_isa(kernels::IsaName(options.isa));
+  resp.set_threads(static_cast<uint32_t>(options.pool->threads()));
+  v1::ResumeReport* report = resp.mutable_resume();
+  for (uint64_t s : point.bucket_steps) report->add_bucket_steps(s);
+  report->set_committed(point.committed);
+  for (uint32_t b : point.rolled_back) report->add_rolled_back(b);
+  for (uint32_t b : point.dropped_partial) report->add_dropped_partial(b);
+  return resp;
+}
+
+}  // namespace tsd
