@@ -10,7 +10,8 @@
 // warm-up (gRPC and malloc keep a few of their own; a leak per cycle would exceed the bound by
 // hundreds).
 //
-// Cycles: 200 by default (CI); more with `--chaos_cycles=N` or TSD_CHAOS_CYCLES=N, e.g.
+// Cycles: 200 by default (ctest sets TSD_CHAOS_CYCLES: 200, 100 under a sanitizer); more with
+// `--chaos_cycles=N` or TSD_CHAOS_CYCLES=N, e.g.
 //   build/bin/tsd_chaos_tests --chaos_cycles=1000
 // The random seed is printed; TSD_CHAOS_SEED=S repeats a run's choice of phases and delays.
 #include <fcntl.h>
