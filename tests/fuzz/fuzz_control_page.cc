@@ -4,9 +4,11 @@
 // three buckets, accumulation and clipping on), maps its control page as a client would, and
 // plays rounds: each round writes what the input says into the fields a client writes (the
 // groups' hyperparameters, a bucket's ready counter and flags, the commit counter), sometimes
-// scribbles over the daemon's own fields too, rings the doorbell and waits until the dispatcher is
-// quiet or has failed the optimizer. Nothing may crash or touch memory out of bounds, a failure
-// must say why, and the job's books must balance once it is released.
+// scribbles over the daemon's own fields too, rings the doorbell and waits until the dispatcher has
+// done what the round set off (a completion, a hold, a commit: a model of the dispatcher's state
+// says which) or has failed the optimizer, with 20 ms as a fallback where a scribble leaves the
+// model unsure. Nothing may crash or touch memory out of bounds, a failure must say why, and the
+// job's books must balance once it is released.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -15,7 +17,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 
 #include "daemon/jobs/registry.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -41,6 +42,66 @@ void Take(const uint8_t* data, size_t size, size_t& at, void* out, size_t n) {
   if (k > 0) std::memcpy(out, data + at, k);
   at += n;
 }
+
+// What the fuzzer expects the dispatcher to do with one round, from the page's counters before
+// and after the round's writes.
+struct Expect {
+  bool fail = false;         // an invalid counter, flag or commit: the optimizer fails
+  uint32_t holds = 0;        // final deliveries held for the commit (each rings the doorbell)
+  bool hold[kBuckets] = {};  // which
+  bool commit = false;       // the commit is applied (clipping, commit == committed + 1)
+  uint64_t commit_to = 0;
+};
+
+// The dispatcher's state as the fuzzer tracks it, so that a round waits for exactly what it set
+// off (a delivery completed, a hold, a commit, a failure) instead of a fixed time: the wait was
+// what made this target slow.
+struct Model {
+  bool held[kBuckets] = {};
+  uint64_t committed = 0;
+
+  Expect Predict(const tsd::wire::ControlView& v, const uint64_t before[kBuckets], bool clip) {
+    Expect e;
+    for (uint32_t b = 0; b < kBuckets; ++b) {
+      const uint64_t ready = v.buckets[b].ready.load(), done = v.buckets[b].done.load();
+      if (ready == before[b]) continue;
+      const uint64_t taken = done + (held[b] ? 1 : 0);
+      if (ready == taken) continue;
+      const uint32_t flags = v.buckets[b].flags.load();
+      if (ready != taken + 1 || held[b] || (flags & ~tsd::wire::kDeliveryKnownFlags) != 0) {
+        e.fail = true;
+      } else if (clip && (flags & tsd::wire::kDeliveryFinal)) {
+        e.hold[b] = true;
+        ++e.holds;
+      }
+    }
+    const uint64_t commit = v.header->commit.load();
+    if (commit < committed || commit > committed + 1) {
+      e.fail = true;
+    } else if (clip && commit == committed + 1) {
+      e.commit = true;
+      e.commit_to = commit;
+    }
+    return e;
+  }
+
+  // True once the dispatcher has done what `e` expects (failures are checked by the caller).
+  bool Settled(const tsd::wire::ControlView& v, const Expect& e, uint32_t rung) const {
+    if (e.fail) return false;
+    if (static_cast<uint32_t>(v.header->doorbell.load() - rung) < e.holds) return false;
+    if (e.commit && v.header->committed.load() < e.commit_to) return false;
+    for (uint32_t b = 0; b < kBuckets; ++b) {
+      const bool stays_held = (held[b] || e.hold[b]) && !e.commit;
+      if (!stays_held && v.buckets[b].done.load() != v.buckets[b].ready.load()) return false;
+    }
+    return true;
+  }
+
+  void Advance(const tsd::wire::ControlView&, const Expect& e) {
+    for (uint32_t b = 0; b < kBuckets; ++b) held[b] = (held[b] || e.hold[b]) && !e.commit;
+    if (e.commit) committed = e.commit_to;
+  }
+};
 
 }  // namespace
 
@@ -95,8 +156,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (page == MAP_FAILED) std::abort();
   const tsd::wire::ControlView v = tsd::wire::ControlView::Of(page, kGroups);
 
+  const bool clip = reg->max_grad_norm() > 0;
+  Model model;
   size_t at = 1;
   while (at < size && v.header->failed.load() == 0) {
+    uint64_t before[kBuckets];
+    for (uint32_t b = 0; b < kBuckets; ++b) before[b] = v.buckets[b].ready.load();
     uint8_t op = 0;
     Take(data, size, at, &op, 1);
     switch (op % 5) {
@@ -141,18 +206,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
     }
-    v.header->doorbell.fetch_add(1);
+    const Expect expect = model.Predict(v, before, clip);
+    const uint32_t rung = v.header->doorbell.fetch_add(1) + 1;
     tsd::wire::FutexWakeAll(&v.header->doorbell);
-    // Wait until the dispatcher has nothing left to do, or failed the optimizer.
+    // Wait for what the dispatcher will do with this round; if the model cannot tell (the round
+    // scribbled over counters it relies on), give up after 20 ms as before.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
-    while (std::chrono::steady_clock::now() < deadline && v.header->failed.load() == 0) {
-      bool busy = false;
-      for (uint32_t b = 0; b < kBuckets; ++b) {
-        busy |= v.buckets[b].done.load() != v.buckets[b].ready.load();
-      }
-      if (!busy) break;
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    for (;;) {
+      const uint32_t seen = v.header->completions.load();
+      if (v.header->failed.load() != 0 || model.Settled(v, expect, rung)) break;
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      // Completions and failures wake the completions word; holds ring the doorbell.
+      tsd::wire::FutexWait(&v.header->completions, seen, 100'000);
     }
+    if (v.header->failed.load() == 0) model.Advance(v, expect);
   }
   if (v.header->failed.load() != 0 && v.header->error[0] == '\0') std::abort();  // says why
   munmap(page, bytes);

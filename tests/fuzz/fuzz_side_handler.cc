@@ -1,5 +1,5 @@
-// Fuzzes the daemon's side of a session in-process: the input is cut into datagrams (each
-// prefixed by a 2-byte length), put together by the daemon's SideAssembler and served by
+// Fuzzes the daemon's side of a session in-process: the input is cut into datagrams (frames.h:
+// each prefixed by a 2-byte length), put together by the daemon's SideAssembler and served by
 // SideHandler against a real Registry (memfd regions, the optimizer registrar), as one side
 // connection of uid 1000 would be. A request that closes the connection ends its session, as the
 // side server does. Every refusal must say why; nothing may crash, leak (descriptors included) or
@@ -16,6 +16,7 @@
 #include "daemon/jobs/registry.h"
 #include "daemon/optimizer/worker_pool.h"
 #include "daemon/rpc/side_handler.h"
+#include "frames.h"
 #include "proto/side_message.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -44,19 +45,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   tsd::SideHandler handler(registry);
   tsd::SideCaller caller{.uid = 1000, .pid = 4242, .session_id = 0};
   tsd::wire::SideAssembler<tsd::v1::SideRequest> assembler{tsd::wire::kMaxSideRequestBytes};
-  size_t at = 0;
-  while (at + 2 <= size) {
-    const size_t len = std::min<size_t>((data[at] | (data[at + 1] << 8)), size - at - 2);
+  tsd::fuzz::ForEachFrame(data, size, [&](std::string_view frame) {
     tsd::wire::Datagram d;
-    d.bytes.assign(reinterpret_cast<const char*>(data + at + 2), len);
-    at += 2 + len;
+    d.bytes.assign(frame);
     uint64_t id = 0;
     auto whole = assembler.Feed(std::move(d), &id);
     if (!whole.ok()) {
       if (whole.status().message().empty()) std::abort();
-      continue;
+      return;
     }
-    if (!*whole) continue;
+    if (!*whole) return;
     const tsd::v1::SideRequest& request = assembler.message();
     // A state request gets a descriptor, as a trainer's would: an empty memfd.
     int fd = -1;
@@ -72,7 +70,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       caller.session_id = 0;
       assembler.Reset();
     }
-  }
+  });
   if (caller.session_id != 0) registry.SessionDisconnected(caller.session_id);
   if (registry.Snapshot().used_bytes != 0) std::abort();  // the books balance
   return 0;

@@ -1,13 +1,14 @@
 // Fuzzes the side socket's message decoder (proto/side_message.h) as both ends use it: the input
-// is cut into datagrams (each prefixed by a 2-byte length), fed to a SideAssembler of requests
-// (the daemon's side) and one of replies (the client's side), and every message that does not
-// parse is explained by ExplainParseFailure. Nothing may crash, leak or read out of bounds, and
+// is cut into datagrams (frames.h: each prefixed by a 2-byte length), fed to a SideAssembler of
+// requests (the daemon's side) and one of replies (the client's side), and every message that does
+// not parse is explained by ExplainParseFailure. Nothing may crash, leak or read out of bounds, and
 // a message that is refused must be explained by a non-empty text.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
+#include "frames.h"
 #include "proto/side_message.h"
 #include "proto/tsd.pb.h"
 #include "proto/wire.h"
@@ -17,12 +18,9 @@ namespace {
 template <typename M>
 void FeedAll(const uint8_t* data, size_t size, size_t max_bytes) {
   tsd::wire::SideAssembler<M> assembler(max_bytes);
-  size_t at = 0;
-  while (at + 2 <= size) {
-    const size_t len = std::min<size_t>((data[at] | (data[at + 1] << 8)), size - at - 2);
+  tsd::fuzz::ForEachFrame(data, size, [&](std::string_view frame) {
     tsd::wire::Datagram d;
-    d.bytes.assign(reinterpret_cast<const char*>(data + at + 2), len);
-    at += 2 + len;
+    d.bytes.assign(frame);
     uint64_t id = 0;
     auto whole = assembler.Feed(std::move(d), &id);
     if (!whole.ok() && whole.status().message().empty()) std::abort();  // refusals say why
@@ -31,7 +29,7 @@ void FeedAll(const uint8_t* data, size_t size, size_t max_bytes) {
       std::string again;
       if (!assembler.message().SerializeToString(&again)) std::abort();
     }
-  }
+  });
 }
 
 }  // namespace

@@ -119,6 +119,19 @@ int main(int argc, char** argv) {
   Write(root + "/fuzz_side_handler", "seed-fragments", fragments);
   Write(root + "/fuzz_side_message", "seed-fragments", fragments);
 
+  // fuzz_grpc_service: each method once with a valid request (a frame: the selector byte, then
+  // the request), and a registration plan in three slices.
+  const std::string plan = Register(0, {3, 5, 1 << 20}).register_optimizer().SerializeAsString();
+  std::string calls;
+  for (const std::string& call :
+       {std::string("\x00", 1) + tsd::v1::StatusRequest().SerializeAsString(),
+        std::string("\x01") + tsd::v1::ListJobsRequest().SerializeAsString(), "\x02" + plan,
+        std::string("\x03") + tsd::v1::RetiredRequest().SerializeAsString(),
+        std::string("\x04") + tsd::v1::ListStoresRequest().SerializeAsString(), "\x20" + plan}) {
+    calls += Frame(call);
+  }
+  Write(root + "/fuzz_grpc_service", "seed-calls", calls);
+
   // A valid state file of fuzz_state_file's optimizer (buckets of 3 and 5, one group).
   tsd::WorkerPool pool(1, false);
   tsd::RegistryOptions o;
