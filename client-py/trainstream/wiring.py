@@ -48,7 +48,7 @@ _jobs = itertools.count()
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
-    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None}
+    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "overlap_forward": True}
 
 
 @dataclasses.dataclass
@@ -97,6 +97,8 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"accumulation_steps must be a whole number >= 1 (backward passes per step()), "
                          f"not {steps!r}")
     out["accumulation_steps"] = int(steps)
+    if not isinstance(out["overlap_forward"], bool):
+        raise ValueError(f"overlap_forward must be True or False, not {out['overlap_forward']!r}")
     mgn = out["max_grad_norm"]
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
         raise ValueError("max_grad_norm must be a finite number >= 0")
@@ -310,7 +312,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     and tsd's own: job= (default trainstream-<host>-<pid>-<n>), quota= (bytes or "8GiB"),
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
-    masters; unwrap() gives them back in their own dtype with the masters' values).
+    masters; unwrap() gives them back in their own dtype with the masters' values),
+    overlap_forward=True (step() returns once the updates are handed to tsd; each module's
+    forward waits for just its own parameters' updates, which tsd runs in forward order; False:
+    step() waits for every update and copies it back; the results are the same bits).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
@@ -377,6 +382,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
     if session.pager is not None:
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
+    if opts["overlap_forward"]:
+        session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
     if quantized:
