@@ -382,10 +382,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
     if session.pager is not None:
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
-    if opts["overlap_forward"]:
-        session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
+    if opts["overlap_forward"]:
+        session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
