@@ -20,8 +20,8 @@ Modes, each run in its own process so peaks do not mix:
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
 --grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
 fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
---clip 0 turns it off). --overlap on|off sets the tsd modes' wrap(overlap_forward=...) (default on: updates
-finish during the next forward, so the wait moves from step() into the forward). Models come from a config with random weights (no download); `--arch tiny`
+--clip 0 turns it off). --overlap on|off sets the tsd modes' wrap(overlap_forward=...) (on: updates finish
+during the next forward, so the wait moves from step() into the forward; default off). Models come from a config with random weights (no download); `--arch tiny`
 is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, tsd modes only).
 
     python3 bench/finetune_bench.py [--arch qwen1.5b] [--batch 8] [--seq 512] [--steps 6] [--clip 1.0]
@@ -371,7 +371,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm for every mode (default 1.0; 0 turns it off)")
-    ap.add_argument("--overlap", default="on", choices=["on", "off"],
+    ap.add_argument("--overlap", default="off", choices=["on", "off"],
                     help="tsd modes: wrap(overlap_forward=...): updates finish during the next forward (on) or in step() (off)")
     ap.add_argument("--cap-gib", type=float, default=0, help="VRAM cap for every mode (set_per_process_memory_fraction)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in every transformers mode")

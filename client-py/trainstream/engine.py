@@ -14,8 +14,8 @@ How a step flows (docs/python.md has the user's view):
   gradient. The daemon updates the bucket while backward goes on.
 * `step()` (`Session.finish_step`): with `max_grad_norm`, commits the step (the daemon clips by
   the global norm). Then, with `overlap_forward=False`, it waits for the buckets and copies the
-  updated parameters back into the model (H2D on CUDA). With `overlap_forward=True` (the
-  default) it returns once every bucket is handed over: the first step's forward is recorded
+  updated parameters back into the model (H2D on CUDA), the default. With `overlap_forward=True`
+  it returns once every bucket is handed over: the first step's forward is recorded
   (`prefetch.ForwardOrder`), tsd updates the buckets in that order, and each module's forward
   pre-hook waits for and copies only its own buckets (`prefetch.UpdateWaits`); everything else
   that reads a parameter or a slot goes through `wait_updates()` first.
@@ -303,6 +303,9 @@ class Session:
         h = self.handle
         if self.recorder is not None:
             self._finish_recording()
+        # Updates of the last step that this step's forward did not take (their modules did not run)
+        # are completed now: nothing is owed for longer than one step.
+        self.wait_updates()
         deferrable = self.waits.deferrable
         if self.pending:
             # Parameters that got fewer than accumulation_steps gradients in this step: close their

@@ -48,7 +48,7 @@ _jobs = itertools.count()
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
-    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "overlap_forward": True}
+    "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "overlap_forward": False}
 
 
 @dataclasses.dataclass
@@ -313,9 +313,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
     masters; unwrap() gives them back in their own dtype with the masters' values),
-    overlap_forward=True (step() returns once the updates are handed to tsd; each module's
-    forward waits for just its own parameters' updates, which tsd runs in forward order; False:
-    step() waits for every update and copies it back; the results are the same bits).
+    overlap_forward=False (True: step() returns once the updates are handed to tsd; each module's
+    forward waits for just its own parameters' updates, which tsd runs in forward order; the
+    results are the same bits, but parameters read directly between step() and the next forward
+    are the old ones until optimizer.synchronize()).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)

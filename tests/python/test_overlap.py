@@ -128,7 +128,7 @@ def test_forward_order_reaches_tsd_and_pending_updates_wait_where_needed(tsd):
     each complete what they read."""
     model = make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
-    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, max_grad_norm=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, max_grad_norm=1e-3, overlap_forward=True)
     s = trainstream.unwrap_session(model)
     try:
         data = batches(3)
@@ -196,7 +196,7 @@ def test_parameters_read_by_another_module_or_outside_forward(tsd, device):
 def test_changing_a_parameter_while_its_update_is_owed_is_refused(tsd):
     model = make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
-    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, overlap_forward=True)
     try:
         data = batches(3)
         loss_of(model, data[0]).backward()
