@@ -26,7 +26,8 @@ A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped,
 tensor at a time) and handed to wrap() there, as a model bigger than the card would be.
 --grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
 fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
---clip 0 turns it off). Models come from a config with random weights (no download); `--arch tiny`
+--clip 0 turns it off). --overlap on|off sets the tsd modes' wrap(overlap_forward=...) (on: updates finish
+during the next forward, so the wait moves from step() into the forward; default off). Models come from a config with random weights (no download); `--arch tiny`
 is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, tsd modes only).
 
     python3 bench/finetune_bench.py [--arch qwen1.5b] [--batch 8] [--seq 512] [--steps 6] [--clip 1.0]
@@ -257,7 +258,7 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
                                       offload=option_value(a.offload),
                                       moment_dtype=moment_dtype, param_dtype=param_dtype,
                                       activation_offload=activation_offload, param_offload=param_offload,
-                                      max_grad_norm=a.clip or None)
+                                      max_grad_norm=a.clip or None, overlap_forward=a.overlap == "on")
         session = trainstream.unwrap_session(model)
         clip = None
     else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
@@ -377,7 +378,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket or "", "--device", a.device,
             *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
-            "--clip", str(a.clip), *common, *(["--peers", a.peers] if a.peers else []),
+            "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
 
@@ -392,7 +393,7 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
-                 tsd_threads=raw.get("threads"), daemon_args=a.daemon_args,
+                 tsd_threads=raw.get("threads"), daemon_args=a.daemon_args, overlap_forward=a.overlap,
                  **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
                  **({"offload": a.offload} if a.offload != "true" else {}))
     return w
@@ -449,6 +450,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm for every mode (default 1.0; 0 turns it off)")
+    ap.add_argument("--overlap", default="off", choices=["on", "off"],
+                    help="tsd modes: wrap(overlap_forward=...): updates finish during the next forward (on) or in step() (off)")
     ap.add_argument("--cap-gib", type=float, default=0, help="VRAM cap for every mode (set_per_process_memory_fraction)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in every transformers mode")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: tsd modes only, for a smoke run")

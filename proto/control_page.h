@@ -16,6 +16,12 @@
 // held until the client increments `commit` (its step() call); then the daemon computes the global
 // norm over the held buckets and updates them all.
 //
+// Optionally, the client writes each bucket's `order`: 1 + its rank in the order the model's
+// forward first uses the buckets (0: none given). The daemon then runs queued updates, and the
+// updates of a commit, lowest order first (buckets without one last, by index), so the next
+// forward can start on the first buckets while the others are still being updated. It is only a
+// sort key: any value is safe, none changes a result.
+//
 // The daemon trusts nothing here: a counter that is not exactly done+1 or done, unknown flag
 // bits, out-of-range hyperparameters or a bad commit counter close the session with a logged
 // reason (written to `error` as well).
@@ -50,7 +56,9 @@ struct alignas(64) ControlBucket {
   std::atomic<uint64_t> done;   // written by the daemon
   std::atomic<uint32_t> flags;  // written by the client before `ready`
   std::atomic<uint32_t> steps;  // written by the daemon: optimizer steps applied to this bucket
+  std::atomic<uint32_t> order;  // written by the client: 1 + the bucket's forward rank, 0 = none
 };
+static_assert(sizeof(ControlBucket) == 64, "a bucket's counters fill one cache line");
 
 struct alignas(64) ControlHeader {
   uint32_t magic;

@@ -193,19 +193,59 @@ absl::Status Optimizer::WaitAll(absl::Duration timeout) {
   return absl::OkStatus();
 }
 
-absl::Status Optimizer::Commit(absl::Duration timeout) {
+absl::Status Optimizer::Commit(absl::Duration timeout, bool wait) {
   TSD_RETURN_IF_ERROR(Failure());
-  // Held until this commit is done, so a second thread's commit follows it rather than racing it.
+  // Held until this commit is done (or handed over), so a second thread's commit follows it
+  // rather than racing it.
   MutexLock lock(commit_->mu);
   auto v = View(control_, groups_);
+  // The daemon takes one commit at a time: the previous one must be fully applied first.
+  const uint64_t previous = commit_->commits;
+  TSD_RETURN_IF_ERROR(
+      WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= previous; },
+                timeout, "the previous step's commit"));
   const uint64_t target = ++commit_->commits;
   v.header->commit.store(target, std::memory_order_release);
   v.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&v.header->doorbell);
+  if (!wait) return absl::OkStatus();
   TSD_RETURN_IF_ERROR(
       WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; },
                 timeout, "the step's commit"));
   return WaitAll(timeout);
+}
+
+absl::Status Optimizer::WaitCommitted(absl::Duration timeout) {
+  uint64_t target = 0;
+  {
+    MutexLock lock(commit_->mu);
+    target = commit_->commits;
+  }
+  auto v = View(control_, groups_);
+  return WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= target; },
+                   timeout, "the step's commit");
+}
+
+absl::Status Optimizer::SetOrder(const std::vector<size_t>& forward) {
+  std::vector<uint32_t> order(buckets_.size(), 0);
+  for (size_t i = 0; i < forward.size(); ++i) {
+    const size_t b = forward[i];
+    if (b >= buckets_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("the forward order names bucket ", b,
+                                                     " but there are ", buckets_.size(),
+                                                     " buckets; nothing was changed"));
+    }
+    if (order[b] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the forward order names bucket ", b, " twice; nothing was changed"));
+    }
+    order[b] = static_cast<uint32_t>(i + 1);
+  }
+  TSD_RETURN_IF_ERROR(Failure());
+  auto v = View(control_, groups_);
+  for (size_t b = 0; b < order.size(); ++b)
+    v.buckets[b].order.store(order[b], std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Optimizer::SaveState(int fd) { return client_->StateRequest(true, fd); }

@@ -745,11 +745,24 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout_s") = 600.0)
       .def(
           "commit",
+          [](OptimizerHandle& h, double timeout_s, bool wait) {
+            py::gil_scoped_release release;
+            Check(h.opt->Commit(Seconds(timeout_s), wait));
+          },
+          py::arg("timeout_s") = 600.0, py::arg("wait") = true)
+      .def(
+          "wait_committed",
           [](OptimizerHandle& h, double timeout_s) {
             py::gil_scoped_release release;
-            Check(h.opt->Commit(Seconds(timeout_s)));
+            Check(h.opt->WaitCommitted(Seconds(timeout_s)));
           },
           py::arg("timeout_s") = 600.0)
+      .def(
+          "set_order",
+          [](OptimizerHandle& h, const std::vector<size_t>& forward) {
+            Check(h.opt->SetOrder(forward));
+          },
+          py::arg("forward"))
       .def("save_state",
            [](OptimizerHandle& h, int fd) {
              py::gil_scoped_release release;

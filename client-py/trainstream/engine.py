@@ -12,13 +12,20 @@ How a step flows (docs/python.md has the user's view):
   bucket's grad slot (on CUDA: D2H on a side stream into the pinned slot, and the doorbell is
   rung from that stream once the copy is done), rings the bucket's doorbell, and frees the
   gradient. The daemon updates the bucket while backward goes on.
-* `step()` (`Session.finish_step`): waits for the buckets (with `max_grad_norm`, commits the step
-  first: the daemon clips by the global norm) and copies the updated parameters back into the
-  model (H2D on CUDA).
+* `step()` (`Session.finish_step`): with `max_grad_norm`, commits the step (the daemon clips by
+  the global norm). Then, with `overlap_forward=False`, it waits for the buckets and copies the
+  updated parameters back into the model (H2D on CUDA), the default. With `overlap_forward=True`
+  it returns once every bucket is handed over: the first step's forward is recorded
+  (`prefetch.ForwardOrder`), tsd updates the buckets in that order, and each module's forward
+  pre-hook waits for and copies only its own buckets (`prefetch.UpdateWaits`); everything else
+  that reads a parameter or a slot goes through `wait_updates()` first.
 
 Hyperparameters come from `param_groups` (so LR schedulers work). Without clipping, updates run
 during backward, so the values are taken at the step's first gradient; `finish_step()` checks
-that they did not change in between. With clipping, they are written at `step()`.
+that they did not change in between. With clipping, they are written at `step()` and the daemon
+reads them when it takes the commit; the next step's values are written only once every pending
+update was taken (`write_hyper` waits for them), so a scheduler stepping right after `step()`
+does not touch pending updates.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from .memory import HostArena, PinnedHost
 from .paging.activations import ActivationPager
 from .paging.weights import WeightPager
 from .planner import Budget
+from .prefetch import ForwardOrder, UpdateWaits, owners_of, wait_modules
 
 # One bucket's optimizer state as flat tensors: (fp32 master, exp_avg, exp_avg_sq, step).
 BucketState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -103,6 +111,13 @@ class Session:
         self.steps = 0            # optimizer steps applied
         self.step_times: list[float] = []
         self.side_stream: Any = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # overlap_forward=True: updates finish during the next forward (prefetch.py). `recorder`
+        # watches forwards until the first step; `waits` holds the buckets still owed.
+        self.model: Optional[torch.nn.Module] = None  # set by wrap() (the recorder's and waits' hooks)
+        self.recorder: Optional[ForwardOrder] = None
+        self.waits = UpdateWaits(self.complete_update)
+        self.forward_order: list[int] = []  # the buckets in the order the recorded forward used them
+        self.deferred_versions: dict[int, int] = {}  # bucket -> its parameter's _version when deferred
 
     # ---- hyperparameters
     def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
@@ -135,6 +150,9 @@ class Session:
     def write_hyper(self, optimizer: torch.optim.Optimizer) -> None:
         hyper = self.group_hyper(optimizer)
         self.check_hyper(hyper)
+        # Updates still owed were dispatched with the page's current values only once the daemon
+        # took them: take them all before the page changes (normally the forward already did).
+        self.wait_updates()
         self.hyper = hyper
         for gi, h in enumerate(self.hyper):
             self.handle.set_group(gi, *h)
@@ -159,6 +177,13 @@ class Session:
         if b in self.skip:  # resumed: tsd applied this bucket's update of this step before the crash
             p.grad = None
             return
+        if b in self.waits.pending:
+            # Its forward ran without completing it (a use no pre-hook saw): the daemon may still read
+            # its slots. Take the update before the slot is written; the gradient came from the old weight.
+            self.wait_updates([b])
+            self.events.append(f"overlap_forward: bucket {ps.index}'s update was still pending at its next gradient "
+                               f"(it was used outside the forward recorded at the first step); pass "
+                               f"overlap_forward=False to wrap() if parameters are used outside module forwards")
         n = self.counts.get(b, 0) + 1
         if b in self.finaled:
             raise RuntimeError(
@@ -224,12 +249,73 @@ class Session:
             code, msg = err
             raise error_class(code)(msg, code)
 
+    # ---- updates owed to the model (overlap_forward)
+    def complete_update(self, b: int) -> None:
+        """Waits for bucket b's update and copies its parameter slot into the parameter (H2D on the
+        current stream on CUDA): the deferred half of finish_step()."""
+        ps = self.params[b]
+        p = ps.param
+        was = self.deferred_versions.get(b)
+        if was is not None and p._version != was:
+            # Changed in place by the trainer after step(): the change was made to the weight before the
+            # update. The change is kept (its master follows it at its next gradient), the update dropped.
+            self.handle.wait(b)
+            self.deferred_versions.pop(b, None)
+            self.waits.pending.pop(b, None)
+            raise RuntimeError(
+                f"parameter {ps.index} was modified in place after optimizer.step() while its update was still owed "
+                f"(overlap_forward=True copies it in just before the parameter's next forward), so the change was "
+                f"made to the weight before the update: the parameter keeps the change and this step's update of it "
+                f"is dropped. Call optimizer.synchronize() before changing parameters between steps, or pass "
+                f"overlap_forward=False to wrap()")
+        self.handle.wait(b)
+        if not ps.paged:
+            with torch.no_grad():
+                p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
+        ps.version = p._version
+        self.deferred_versions.pop(b, None)
+
+    def wait_updates(self, buckets: Optional[list[int]] = None) -> None:
+        """Completes the updates still owed to the model: of `buckets`, or all (None). Everything that
+        reads a parameter, a parameter slot or the optimizer's state between steps calls this first;
+        with overlap_forward=False nothing is ever owed."""
+        if self.waits.pending and self.handle is not None:
+            self.waits.complete(buckets)
+
+    def start_overlap(self, model: torch.nn.Module) -> None:
+        """wrap(overlap_forward=True): records the forwards until the first step."""
+        self.model = model
+        self.recorder = ForwardOrder(model, {id(ps.param): ps.bucket for ps in self.params})
+
+    def _finish_recording(self) -> None:
+        """At the first step: the recorded order goes to tsd and the pre-forward waits are installed.
+        Nothing recorded (no forward since wrap()): keeps recording."""
+        rec = self.recorder
+        if rec is None or self.model is None or not rec.first:
+            return
+        self.recorder = None
+        order = rec.finish()
+        bucket_of = {id(ps.param): ps.bucket for ps in self.params}
+        modules = wait_modules(self.model, rec.first, owners_of(self.model, bucket_of), order)
+        self.handle.set_order(order)
+        self.forward_order = order
+        self.waits.install(self.model, modules)
+        self.events.append(f"overlap_forward: {len(order)} of {len(self.params)} buckets finish during the next "
+                           f"forward, in the order it uses them (through {len(modules)} modules' pre-hooks)"
+                           f"{'; the others at step()' if len(order) < len(self.params) else ''}")
+
     # ---- the end of a step
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung
         self.raise_async()
         h = self.handle
+        if self.recorder is not None:
+            self._finish_recording()
+        # Updates of the last step that this step's forward did not take (their modules did not run)
+        # are completed now: nothing is owed for longer than one step.
+        self.wait_updates()
+        deferrable = self.waits.deferrable
         if self.pending:
             # Parameters that got fewer than accumulation_steps gradients in this step: close their
             # accumulation with a zero final delivery (adding zeros is exact).
@@ -245,11 +331,17 @@ class Session:
         if self.max_grad_norm > 0:
             if self.finaled:
                 self.write_hyper(optimizer)  # the daemon reads them at the commit
-                h.commit()
+                h.commit(wait=not deferrable)  # handed over: each bucket is waited for where it is needed
         elif self.hyper is not None and self.group_hyper(optimizer) != self.hyper:
             changed = (self.hyper, self.group_hyper(optimizer))
         for b in sorted(self.finaled):
             ps = self.params[b]
+            if b in deferrable and not ps.paged:
+                # Its module's next forward waits for it (paged buckets: the pager copies from the slot
+                # and does not wait yet, so they are waited for here).
+                self.deferred_versions[b] = ps.param._version
+                self.waits.defer(b)
+                continue
             h.wait(b)
             p = ps.param
             if ps.paged:
@@ -265,6 +357,8 @@ class Session:
         self.hyper = None
         self.steps += 1
         if self.pager is not None:
+            if self.planner is not None and not getattr(self.planner, "done", False):
+                self.wait_updates()  # the planner may page blocks: their parameters are read then
             self.pager.after_step()
         if changed is not None:
             was, now = changed
@@ -276,10 +370,11 @@ class Session:
                 f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
 
     def idle(self) -> None:
-        """Waits until no delivery is in flight (between steps)."""
+        """Waits until no delivery is in flight (between steps) and every update is in the model."""
         if self.cuda:
             self.side_stream.synchronize()
         self.raise_async()
+        self.wait_updates()
         if self.handle is not None:
             self.handle.wait_all()
 
@@ -307,6 +402,11 @@ class Session:
             if ps.hook is not None:
                 ps.hook.remove()
                 ps.hook = None
+        if self.recorder is not None:
+            self.recorder.finish()
+            self.recorder = None
+        self.waits.remove()
+        self.waits.pending.clear()  # callers that keep the values (unwrap, the switch) were idle() first
         if self.pager is not None:
             self.pager.close()  # the weights come back before the slots go (unwrap() closed it already)
             self.pager = None

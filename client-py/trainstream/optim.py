@@ -82,10 +82,12 @@ class TsdAdamW(torch.optim.Optimizer):
         s = self._session
         if self._inner is not None or s.max_grad_norm <= 0 or s.steps == 0 or s.handle is None:
             return None
+        s.handle.wait_committed()  # overlap_forward: step() returned once the commit was handed over
         return float(s.handle.last_grad_norm)
 
     def synchronize(self) -> None:
-        """Waits until the daemon has applied every delivered update."""
+        """Waits until the daemon has applied every delivered update and (overlap_forward) every
+        update is copied into the model: call it before changing parameters between steps."""
         if self._inner is None:
             self._session.idle()
 

@@ -51,7 +51,7 @@ OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
-    "keep_for": None, "resume": False}
+    "keep_for": None, "resume": False, "overlap_forward": False}
 
 
 @dataclasses.dataclass
@@ -101,6 +101,8 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"accumulation_steps must be a whole number >= 1 (backward passes per step()), "
                          f"not {steps!r}")
     out["accumulation_steps"] = int(steps)
+    if not isinstance(out["overlap_forward"], bool):
+        raise ValueError(f"overlap_forward must be True or False, not {out['overlap_forward']!r}")
     mgn = out["max_grad_norm"]
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
         raise ValueError("max_grad_norm must be a finite number >= 0")
@@ -329,6 +331,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     masters; unwrap() gives them back in their own dtype with the masters' values),
     param_offload=False | "auto" | True | fraction | [block indices] (weight paging), prefetch_depth=None
     (paged blocks copied ahead of the one in use: None chooses 1 to 3 from the VRAM) | int.
+    overlap_forward=False (True: step() returns once the updates are handed to tsd; each module's
+    forward waits for just its own parameters' updates, which tsd runs in forward order; the
+    results are the same bits, but parameters read directly between step() and the next forward
+    are the old ones until optimizer.synchronize()).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
@@ -411,6 +417,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
+    if opts["overlap_forward"]:
+        session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "

@@ -380,6 +380,9 @@ void JobOptimizer::MaybeApplyCommit() {
     wire::FutexWakeAll(&page_.header->completions);
     return;
   }
+  // In the order the next forward uses the buckets (the client's `order`, a sort key only).
+  std::stable_sort(held.begin(), held.end(),
+                   [this](size_t a, size_t b) { return Priority(a) < Priority(b); });
   commit_running_ = true;
   commit_left_.store(static_cast<int64_t>(held.size()));
   for (size_t b : held) {
@@ -479,7 +482,12 @@ void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, siz
       if (run->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) (*shared_done)();
     });
   }
-  pool_.Submit(queue_, std::move(tasks));
+  pool_.Submit(queue_, std::move(tasks), Priority(b));
+}
+
+uint64_t JobOptimizer::Priority(size_t b) const {
+  const uint32_t order = page_.buckets[b].order.load(std::memory_order_relaxed);
+  return order != 0 ? order : (uint64_t{1} << 32) + b;  // buckets without an order go last
 }
 
 void JobOptimizer::CompleteDelivery(size_t b) {

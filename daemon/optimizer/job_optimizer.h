@@ -7,7 +7,8 @@
 // or steps, or (with clipping) computes the bucket's sum of squares and holds it until the
 // client's commit. Small buckets run on the dispatcher itself (one thread hop less on the hot
 // path); large ones are split into chunks across the pool. Completion stores the bucket's `done`
-// counter and wakes the client.
+// counter and wakes the client. Queued updates (and those of a commit) run in the order the
+// client's forward uses the buckets (the page's `order`), so the next forward waits least.
 //
 // Anything invalid on the page fails the optimizer: it stops, writes why into the page, logs it,
 // and the Registry closes the session (Registry::Sweep). Destruction stops the dispatcher and
@@ -153,6 +154,8 @@ class JobOptimizer final {
   void StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
                   std::function<void()> after);
   void CompleteDelivery(size_t b);
+  // The bucket's place in the queue: the client's forward order (page), else after all of those.
+  uint64_t Priority(size_t b) const;
   void Kick();
   void Fail(const std::string& why);
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);

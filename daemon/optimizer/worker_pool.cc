@@ -6,7 +6,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <iterator>
 #include <latch>
 
 namespace tsd {
@@ -55,12 +57,21 @@ WorkerPool::~WorkerPool() {
 std::shared_ptr<WorkerPool::Queue> WorkerPool::NewQueue() { return std::make_shared<Queue>(); }
 
 void WorkerPool::Submit(const std::shared_ptr<Queue>& queue,
-                        std::vector<std::function<void()>> tasks) {
+                        std::vector<std::function<void()>> tasks, uint64_t priority) {
   if (tasks.empty()) return;
   {
     MutexLock lock(mu_);
     if (queue->cancelled) return;
-    for (auto& t : tasks) queue->tasks.push_back(std::move(t));
+    // After the last pending task whose priority is <= this one's (the deque stays sorted).
+    auto at = std::upper_bound(queue->tasks.begin(), queue->tasks.end(), priority,
+                               [](uint64_t p, const std::pair<uint64_t, std::function<void()>>& t) {
+                                 return p < t.first;
+                               });
+    std::vector<std::pair<uint64_t, std::function<void()>>> keyed;
+    keyed.reserve(tasks.size());
+    for (auto& t : tasks) keyed.emplace_back(priority, std::move(t));
+    queue->tasks.insert(at, std::make_move_iterator(keyed.begin()),
+                        std::make_move_iterator(keyed.end()));
     if (!queue->listed) {
       queue->listed = true;
       ready_.push_back(queue);
@@ -97,7 +108,7 @@ void WorkerPool::Work() {
     // Take one task from the queue at the front, then send that queue to the back: round robin.
     std::shared_ptr<Queue> q = ready_.front();
     ready_.pop_front();
-    std::function<void()> task = std::move(q->tasks.front());
+    std::function<void()> task = std::move(q->tasks.front().second);
     q->tasks.pop_front();
     if (!q->tasks.empty()) {
       ready_.push_back(q);

@@ -4,6 +4,8 @@
 // cannot starve a small one. A job's queue can be cancelled; `Cancel` returns once none of the
 // job's tasks runs any more. Workers may run at a nice value above the trainers': the optimizer
 // is throughput work, while a trainer's kernel-launching thread needs a CPU the moment it wakes.
+// Within one queue, tasks may carry a priority (lower runs first; equal ones in submission order):
+// a job's optimizer uses it to update buckets in the order the next forward needs them.
 #pragma once
 
 #include <atomic>
@@ -13,6 +15,7 @@
 #include <list>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -33,8 +36,10 @@ class WorkerPool final {
   // A queue for one job.
   std::shared_ptr<Queue> NewQueue();
   // Adds tasks to `queue`; they run in the order given, interleaved fairly with other queues.
-  void Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Within the queue they go after every pending task of a `priority` <= theirs and before the
+  // ones of a higher value (so with one priority for everything, the queue is first in, first out).
+  void Submit(const std::shared_ptr<Queue>& queue, std::vector<std::function<void()>> tasks,
+              uint64_t priority = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the queue's pending tasks and waits for its running ones; later Submits are ignored.
   void Cancel(const std::shared_ptr<Queue>& queue) ABSL_LOCKS_EXCLUDED(mu_);
   int threads() const { return static_cast<int>(workers_.size()); }
@@ -48,7 +53,7 @@ class WorkerPool final {
   class Queue {
    private:
     friend class WorkerPool;
-    std::deque<std::function<void()>> tasks;
+    std::deque<std::pair<uint64_t, std::function<void()>>> tasks;  // sorted by priority (stable)
     int running = 0;
     bool cancelled = false;
     bool listed = false;  // in the pool's round-robin list

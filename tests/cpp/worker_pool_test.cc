@@ -117,5 +117,41 @@ TEST(WorkerPool, CancelDropsPendingAndWaitsForRunning) {
   EXPECT_EQ(ran.load(), after_cancel);
 }
 
+// One worker held on a first task while tasks of priorities 5, 2, 9, 2 and 0 queue up: they run
+// lowest priority first, equal ones in submission order (the optimizer's forward order).
+TEST(WorkerPool, TasksRunByPriorityThenInSubmissionOrder) {
+  WorkerPool pool(1, false);
+  auto q = pool.NewQueue();
+  std::mutex mu;
+  std::vector<int> order;
+  std::atomic<bool> started{false}, release{false};
+  pool.Submit(q, {[&] {
+                started.store(true);
+                while (!release.load()) std::this_thread::yield();
+              }});
+  while (!started.load()) std::this_thread::yield();
+  const std::vector<std::pair<uint64_t, int>> submits = {{5, 1}, {2, 2}, {9, 3}, {2, 4}, {0, 5}};
+  for (const auto& [priority, id] : submits) {
+    std::vector<std::function<void()>> tasks;
+    for (int k = 0; k < 2; ++k) {
+      tasks.push_back([&mu, &order, id = id * 10 + k] {
+        std::lock_guard<std::mutex> lock(mu);
+        order.push_back(id);
+      });
+    }
+    pool.Submit(q, std::move(tasks), priority);
+  }
+  release.store(true);
+  for (int i = 0; i < 2000; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (order.size() == 10) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(order, (std::vector<int>{50, 51, 20, 21, 40, 41, 10, 11, 30, 31}));
+}
+
 }  // namespace
 }  // namespace tsd

@@ -104,8 +104,17 @@ class Optimizer final {
   // Waits for every bucket.
   absl::Status WaitAll(absl::Duration timeout = absl::Seconds(600));
   // With clipping: ends the step; the daemon clips by the global norm of the held final
-  // deliveries and updates them. Returns once all are updated.
-  absl::Status Commit(absl::Duration timeout = absl::Seconds(600));
+  // deliveries and updates them. With `wait`, returns once all are updated; without, once the
+  // commit is handed over (after the previous commit was fully applied): Wait(b) then waits for
+  // bucket b's clipped update and WaitCommitted() for all of them (and the norm).
+  absl::Status Commit(absl::Duration timeout = absl::Seconds(600), bool wait = true);
+  // Waits until every Commit so far is fully applied (last_grad_norm() is then this one's).
+  absl::Status WaitCommitted(absl::Duration timeout = absl::Seconds(600));
+  // Tells the daemon the order in which the next forward uses the buckets (`forward[i]` is the
+  // i-th bucket it needs): queued updates, and those of a commit, then run in that order. Buckets
+  // not listed go after the listed ones. Refuses (INVALID_ARGUMENT, writing nothing) an index out
+  // of range or a bucket listed twice. Results do not depend on it.
+  absl::Status SetOrder(const std::vector<size_t>& forward);
   // The global gradient norm of the last Commit.
   double last_grad_norm() const;
   // Optimizer steps applied to bucket b.

@@ -323,7 +323,9 @@ class TrainStreamMixin(_Base):
                                  learning_rate: Optional[float] = None) -> None:
         opt = self._offloading()
         if opt is not None:
-            grad_norm = opt.last_grad_norm
+            # Only when this step logs: reading it waits for the step's whole commit, which
+            # overlap_forward otherwise lets run on during the next forward.
+            grad_norm = opt.last_grad_norm if self.control.should_log else None
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                          learning_rate=learning_rate)
 
