@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any, Optional, Union
 
 import torch
 
-from . import _state
+from . import _report, _state
 from .client import Client
 from .errors import TsdError, error_class
 from .memory import HostArena, PinnedHost
@@ -217,6 +218,7 @@ class Session:
 
     # ---- the end of a step
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        started = time.perf_counter()
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung
         self.raise_async()
@@ -254,6 +256,7 @@ class Session:
         self.steps += 1
         if self.pager is not None:
             self.pager.after_step()
+        _report.report_step(self, started)
         if changed is not None:
             was, now = changed
             g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)

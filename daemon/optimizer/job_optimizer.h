@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/observer.h"
+#include "daemon/optimizer/step_stats.h"
 #include "daemon/optimizer/worker_pool.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/control_page.h"
@@ -94,6 +95,10 @@ class JobOptimizer final {
   // Reads state written by SaveState; validates everything before changing anything.
   absl::StatusOr<uint64_t> LoadState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
 
+  // What the optimizer is doing: its StepStats and the client's report on the control page
+  // (job_activity.cc). Any thread.
+  void DescribeActivity(v1::JobActivity& out) const;
+
  private:
   // The dispatcher's view of one bucket (workers touch only the atomics, `partial` and `held`,
   // `sumsq` before releasing `busy`). `done_local` and `held` are read by SaveState/LoadState
@@ -147,6 +152,7 @@ class JobOptimizer final {
   const kernels::Isa isa_;
   const std::shared_ptr<OptimizerObserver> observer_;
   std::atomic<int64_t> max_step_{0};  // the highest step any bucket reached (a job's step count)
+  StepStats stats_;
   wire::ControlView page_;
   std::vector<std::unique_ptr<BucketRun>> runs_;
 
