@@ -54,9 +54,14 @@ StepStats::Snapshot StepStats::Read(Clock::time_point now) const {
       }
     }
   }
+  // The newest generation and the one before it, when that one is its direct predecessor (an
+  // older one holds updates from before a pause).
+  const int64_t newest = std::max(generations_[0].epoch.load(std::memory_order_acquire),
+                                  generations_[1].epoch.load(std::memory_order_acquire));
   std::array<uint64_t, kBins> counts{};
   for (const Generation& g : generations_) {
-    if (g.epoch.load(std::memory_order_acquire) < 0) continue;
+    const int64_t epoch = g.epoch.load(std::memory_order_acquire);
+    if (epoch < 0 || epoch < newest - 1) continue;
     for (int i = 0; i < kBins; ++i) counts[i] += g.counts[i].load(std::memory_order_relaxed);
   }
   for (uint64_t c : counts) s.latency_samples += c;

@@ -903,8 +903,8 @@ TEST(Top, BatchFramesListEveryJob) {
   EXPECT_EQ(rc, 0) << out;
   // stdout is a pipe: plain frames, no escape sequences.
   EXPECT_THAT(out, Not(HasSubstr("\x1b[")));
-  size_t frames = 0;
-  for (size_t at = out.find("JOB "); at != std::string::npos; at = out.find("JOB ", at + 1))
+  size_t frames = 0;  // each frame has one memory table (and one activity table)
+  for (size_t at = out.find("%QUOTA"); at != std::string::npos; at = out.find("%QUOTA", at + 1))
     ++frames;
   EXPECT_EQ(frames, 2u) << out;
   EXPECT_THAT(out, HasSubstr("pool: 20 MiB used of 256 MiB"));
