@@ -72,11 +72,22 @@ struct alignas(64) ControlHeader {
   std::atomic<uint32_t> failed;                   // daemon: nonzero once the session is closed
   char error[252];                                // daemon: why (NUL-terminated)
   alignas(64) double last_grad_norm;              // daemon: the global norm of the last commit
+  // The client's report of its last step, for display only (`tsctl top`): what the daemon cannot
+  // see. Zero until a client reports (older clients never do). `client_reports` is stored last.
+  std::atomic<uint64_t> client_wait_ns;    // client: how long its last step() waited for tsd
+  std::atomic<uint64_t> client_h2d_bytes;  // client: its last step's paging, host to device
+  std::atomic<uint64_t> client_d2h_bytes;  // client: and device to host
+  std::atomic<uint64_t> client_reports;    // client: reports written (the step it reported)
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free &&
                   std::atomic<uint32_t>::is_always_lock_free,
               "control page counters must be lock-free to live in shared memory");
+
+// The client's report shares last_grad_norm's cache line: the header's size (and so the layout of
+// the page) is what it was before the report was added.
+static_assert(sizeof(ControlHeader) == 576,
+              "the control page header's size is part of the protocol");
 
 // Byte offsets of the page's parts for `groups` groups and `buckets` buckets.
 inline constexpr size_t ControlGroupsOffset() { return sizeof(ControlHeader); }

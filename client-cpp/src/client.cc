@@ -517,6 +517,24 @@ absl::StatusOr<PoolStatus> Client::Status() {
       r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid(),        r.protocol_version()};
 }
 
+static void DescribeActivity(const v1::JobActivity& a, JobStatus& o) {
+  o.has_optimizer = true;
+  JobStatus::Activity& t = o.activity;
+  t.steps = a.steps();
+  t.params = a.params();
+  t.params_updated = a.params_updated();
+  t.bucket_updates = a.bucket_updates();
+  t.steps_per_s = a.steps_per_s();
+  t.params_per_s = a.params_per_s();
+  t.bucket_update_p50_s = a.bucket_update_p50_s();
+  t.bucket_update_p99_s = a.bucket_update_p99_s();
+  t.moment_dtype = v1::DType_Name(a.moment_dtype());
+  t.client_reports = a.client_reports();
+  t.client_step_wait_s = a.client_step_wait_s();
+  t.client_h2d_bytes = a.client_h2d_bytes();
+  t.client_d2h_bytes = a.client_d2h_bytes();
+}
+
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   v1::ListJobsRequest req;
   v1::ListJobsResponse r;
@@ -529,7 +547,14 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   }
   std::vector<JobStatus> out;
   for (const auto& j : r.jobs()) {
-    out.push_back({j.name(), j.uid(), j.sessions(), j.used_bytes(), j.quota_bytes(), j.regions()});
+    JobStatus& o = out.emplace_back();
+    o.name = j.name();
+    o.uid = j.uid();
+    o.sessions = j.sessions();
+    o.used_bytes = j.used_bytes();
+    o.quota_bytes = j.quota_bytes();
+    o.regions = j.regions();
+    if (j.has_activity()) DescribeActivity(j.activity(), o);
   }
   return out;
 }

@@ -94,6 +94,22 @@ uint32_t Optimizer::steps(size_t b) const {
   return View(control_, groups_).buckets[b].steps.load(std::memory_order_acquire);
 }
 
+absl::Status Optimizer::ReportStep(absl::Duration wait, uint64_t h2d_bytes, uint64_t d2h_bytes) {
+  if (wait < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("ReportStep: the wait (",
+                                                   absl::FormatDuration(wait),
+                                                   ") is negative; measure it with a "
+                                                   "monotonic clock"));
+  }
+  wire::ControlHeader& h = *View(control_, groups_).header;
+  h.client_wait_ns.store(static_cast<uint64_t>(absl::ToInt64Nanoseconds(wait)),
+                         std::memory_order_relaxed);
+  h.client_h2d_bytes.store(h2d_bytes, std::memory_order_relaxed);
+  h.client_d2h_bytes.store(d2h_bytes, std::memory_order_relaxed);
+  h.client_reports.fetch_add(1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::Status Optimizer::Failure() const {
   if (commit_->is_closed.load(std::memory_order_acquire)) {
     MutexLock lock(commit_->mu_closed);

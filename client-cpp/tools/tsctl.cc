@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "client-cpp/tools/activity_view.h"
 #include "proto/wire.h"
 #include "tsctl_checkpoint.h"
 #include "tsd/client.h"
@@ -69,7 +70,8 @@ int PrintJobs(tsd::Client& client, bool json) {
                      {"uid", j.uid},
                      {"sessions", j.sessions},
                      {"used_bytes", j.used_bytes},
-                     {"quota_bytes", j.quota_bytes}});
+                     {"quota_bytes", j.quota_bytes},
+                     {"activity", tsd::tsctl::ActivityJson(j)}});
     }
     std::cout << out.dump() << "\n";
     return 0;
@@ -247,7 +249,13 @@ std::vector<std::string> TopFrame(const std::string& socket, const tsd::PoolStat
                   FormatRate(rate == rates.end() ? 0.0 : rate->second).c_str());
     out.push_back(line);
   }
-  if (jobs.empty()) out.push_back("(no jobs)");
+  if (jobs.empty()) {
+    out.push_back("(no jobs)");
+    return out;
+  }
+  // What each job's optimizer is doing, in the same order.
+  out.push_back("");
+  for (std::string& l : tsd::tsctl::ActivityTable(jobs)) out.push_back(std::move(l));
   return out;
 }
 
@@ -351,7 +359,11 @@ int main(int argc, char** argv) {
       "one JSON object: version, uptime, pool_bytes, used_bytes, locked, jobs, sessions");
   auto* jobs = app.add_subcommand("jobs", "every job: name, uid, sessions, used and quota bytes");
   jobs->add_flag("--json", jobs_json,
-                 "a JSON array of {name, uid, sessions, used_bytes, quota_bytes}");
+                 "a JSON array of {name, uid, sessions, used_bytes, quota_bytes, activity}; "
+                 "activity (null without an optimizer): {steps, params, params_updated, "
+                 "bucket_updates, steps_per_s, params_per_s, bucket_update_p50_s, "
+                 "bucket_update_p99_s, moment_dtype, client_reports, step_wait_s, "
+                 "h2d_bytes_per_step, d2h_bytes_per_step}");
   auto* stores = app.add_subcommand(
       "stores", "the node's weight stores: id, format, bytes, users, idle time, source files");
   stores->add_flag("--json", stores_json,
@@ -360,7 +372,9 @@ int main(int argc, char** argv) {
   TopOptions top_options;
   auto* top = app.add_subcommand(
       "top",
-      "a live view of the pool and every job, redrawn in place (q quits, s changes the sort)");
+      "a live view of the pool and every job (memory, then what its optimizer is doing: steps, "
+      "parameters updated, bucket update latency, wait in step(), paging, moment dtype), redrawn "
+      "in place (q quits, s changes the sort)");
   top->add_option("-d,--interval", top_options.interval_s, "seconds between frames (default 1)")
       ->check(CLI::Range(0.05, 3600.0));
   top->add_option("-n,--iterations", top_options.iterations,

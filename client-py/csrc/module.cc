@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -743,6 +744,15 @@ PYBIND11_MODULE(_C, m) {
             Check(h.opt->WaitAll(Seconds(timeout_s)));
           },
           py::arg("timeout_s") = 600.0)
+      .def(
+          "report_step",
+          [](OptimizerHandle& h, double wait_s, uint64_t h2d_bytes, uint64_t d2h_bytes) {
+            if (!std::isfinite(wait_s)) {
+              throw py::value_error("report_step: wait_s must be a finite number of seconds");
+            }
+            Check(h.opt->ReportStep(absl::Seconds(wait_s), h2d_bytes, d2h_bytes));
+          },
+          py::arg("wait_s"), py::arg("h2d_bytes") = 0, py::arg("d2h_bytes") = 0)
       .def(
           "commit",
           [](OptimizerHandle& h, double timeout_s, bool wait) {

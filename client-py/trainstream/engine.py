@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import Any, Optional, Union
 
 import torch
 
-from . import _state
+from . import _report, _state
 from .client import Client
 from .errors import TsdError, error_class
 from .memory import HostArena, PinnedHost
@@ -306,6 +307,7 @@ class Session:
 
     # ---- the end of a step
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        started = time.perf_counter()
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung
         self.raise_async()
@@ -360,6 +362,7 @@ class Session:
             if self.planner is not None and not getattr(self.planner, "done", False):
                 self.wait_updates()  # the planner may page blocks: their parameters are read then
             self.pager.after_step()
+        _report.report_step(self, started)
         if changed is not None:
             was, now = changed
             g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)

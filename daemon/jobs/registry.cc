@@ -38,6 +38,7 @@ v1::JobInfo Registry::DescribeJob(const std::string& name, const Job& job) const
   info.set_used_bytes(ledger_->Held(Holder::Job(name)));
   info.set_quota_bytes(job.quota_bytes);
   info.set_regions(static_cast<uint32_t>(job.regions.size()));
+  if (job.optimizer) job.optimizer->DescribeActivity(*info.mutable_activity());
   return info;
 }
 

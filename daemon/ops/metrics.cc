@@ -1,5 +1,6 @@
 #include "daemon/ops/metrics.h"
 
+#include <algorithm>
 #include <exception>
 #include <set>
 #include <utility>
@@ -197,6 +198,14 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
   prometheus::MetricFamily quota = Gauge("tsd_job_quota_bytes", "A job's quota in bytes");
   prometheus::MetricFamily sessions = Gauge("tsd_job_sessions", "A job's live sessions");
   prometheus::MetricFamily regions = Gauge("tsd_job_regions", "A job's regions");
+  // What the jobs' clients report of their last step (JobActivity), per job or in aggregate.
+  prometheus::MetricFamily optimizer_info = Gauge(
+      "tsd_job_optimizer_info", "One per job with an optimizer, labelled with its moment dtype");
+  prometheus::MetricFamily wait = Gauge(
+      "tsd_job_step_wait_seconds", "How long a job's last step() waited for tsd (client-reported)");
+  prometheus::MetricFamily paging = Gauge(
+      "tsd_job_paging_bytes_per_step", "A job's paging traffic in its last step (client-reported)");
+  double max_wait = 0, all_h2d = 0, all_d2h = 0;
   std::set<std::string> live = {""};  // the aggregate series stays
   double all_regions = 0;
   for (const v1::JobInfo& j : view.jobs) all_regions += j.regions();
@@ -211,8 +220,35 @@ std::vector<prometheus::MetricFamily> Metrics::Collect() const {
     AddSample(sessions, j.sessions(), label);
     AddSample(regions, j.regions(), label);
   }
+  for (const v1::JobInfo& j : view.jobs) {
+    if (!j.has_activity()) continue;
+    const v1::JobActivity& a = j.activity();
+    max_wait = std::max(max_wait, a.client_step_wait_s());
+    all_h2d += static_cast<double>(a.client_h2d_bytes());
+    all_d2h += static_cast<double>(a.client_d2h_bytes());
+    if (!per_job_) continue;
+    AddSample(optimizer_info, 1,
+              {{kJobLabel, j.name()}, {"moment_dtype", v1::DType_Name(a.moment_dtype())}});
+    if (a.client_reports() == 0) continue;
+    AddSample(wait, a.client_step_wait_s(), {{kJobLabel, j.name()}});
+    AddSample(paging, static_cast<double>(a.client_h2d_bytes()),
+              {{kJobLabel, j.name()}, {"direction", "h2d"}});
+    AddSample(paging, static_cast<double>(a.client_d2h_bytes()),
+              {{kJobLabel, j.name()}, {"direction", "d2h"}});
+  }
   if (per_job_) {
-    for (auto* f : {&info, &used, &quota, &sessions, &regions}) out.push_back(std::move(*f));
+    for (auto* f : {&info, &used, &quota, &sessions, &regions, &optimizer_info, &wait, &paging})
+      out.push_back(std::move(*f));
+  } else {
+    out.push_back(Single("tsd_step_wait_seconds_max",
+                         "The longest last-step wait in step() among the jobs (client-reported)",
+                         max_wait));
+    prometheus::MetricFamily all =
+        Gauge("tsd_paging_bytes_per_step",
+              "The jobs' paging traffic in their last step (client-reported)");
+    AddSample(all, all_h2d, {{"direction", "h2d"}});
+    AddSample(all, all_d2h, {{"direction", "d2h"}});
+    out.push_back(std::move(all));
   }
 
   {

@@ -29,6 +29,12 @@
 //   tsd_optimizer_steps_total{job_name}     optimizer steps completed (OnStep)
 //   tsd_optimizer_params_total{job_name}    parameters updated; its rate() is the throughput
 //   tsd_bucket_update_seconds{job_name}     histogram: time to update one bucket
+//   tsd_job_optimizer_info{job_name,moment_dtype}  1 per job with an optimizer
+//   tsd_job_step_wait_seconds{job_name}     its last step()'s wait for tsd (client-reported)
+//   tsd_job_paging_bytes_per_step{job_name,direction="h2d"|"d2h"}  its last step's paging
+//   (without metrics_per_job, in their place:)
+//   tsd_step_wait_seconds_max               the longest of the jobs' last-step waits
+//   tsd_paging_bytes_per_step{direction}    the jobs' last-step paging, summed
 // A job's optimizer series disappear with the job (at the first scrape after it is released and
 // no observer of it is held any more).
 // Weight stores, in aggregate (WatchGauges; daemon/stores): tsd_stores, tsd_store_bytes,

@@ -446,14 +446,16 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
       [this, b, after = std::move(after)] {
         const BucketRun& r = *runs_[b];
         page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+        stats_.RecordBucket(seconds, static_cast<uint64_t>(r.plan.numel));
+        // A job's step count is the highest step any of its buckets reached.
+        int64_t seen = max_step_.load(std::memory_order_relaxed);
+        while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
+        }
+        if (r.steps > seen) stats_.RecordStep(r.steps);
         if (observer_ != nullptr) {
-          const double seconds =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
           observer_->OnBucketUpdate(seconds, static_cast<uint64_t>(r.plan.numel));
-          // A job's step count is the highest step any of its buckets reached.
-          int64_t seen = max_step_.load(std::memory_order_relaxed);
-          while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
-          }
           if (r.steps > seen) observer_->OnStep(r.steps);
         }
         after();

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/observer.h"
+#include "daemon/optimizer/step_stats.h"
 #include "daemon/optimizer/worker_pool.h"
 #include "kernels/cpu/adamw.h"
 #include "proto/control_page.h"
@@ -112,6 +113,9 @@ class JobOptimizer final {
   // OK when a registration planned as `asked` may take over an optimizer planned as `kept`;
   // else FAILED_PRECONDITION naming the first difference (hyperparameters may differ).
   static absl::Status CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked);
+  // What the optimizer is doing: its StepStats and the client's report on the control page
+  // (job_activity.cc). Any thread.
+  void DescribeActivity(v1::JobActivity& out) const;
 
  private:
   // The dispatcher's view of one bucket (workers touch only the atomics, `partial` and `held`,
@@ -168,6 +172,7 @@ class JobOptimizer final {
   const kernels::Isa isa_;
   const std::shared_ptr<OptimizerObserver> observer_;
   std::atomic<int64_t> max_step_{0};  // the highest step any bucket reached (a job's step count)
+  StepStats stats_;
   wire::ControlView page_;
   std::vector<std::unique_ptr<BucketRun>> runs_;
 

@@ -782,6 +782,21 @@ TEST(Metrics, OptimizerStepsLatencyAndThroughputAreExported) {
   EXPECT_EQ(Value(m, "tsd_optimizer_params_total", job), 3 * 301000);
   EXPECT_EQ(Value(m, "tsd_bucket_update_seconds_count", job), 6);
   EXPECT_GT(Value(m, "tsd_bucket_update_seconds_sum", job), 0);
+  EXPECT_EQ(
+      Value(m, "tsd_job_optimizer_info", {{"job_name", "metrics-opt"}, {"moment_dtype", "F32"}}),
+      1);
+  // Until the client reports a step, there is no wait or paging series of the job.
+  EXPECT_TRUE(std::isnan(Value(m, "tsd_job_step_wait_seconds", job)));
+  ASSERT_TRUE((*opt)->ReportStep(absl::Milliseconds(25), 4096, 1024).ok());
+  const std::vector<Sample> r = ParsePrometheusText(HttpGet(port, "/metrics"), &error);
+  ASSERT_TRUE(error.empty()) << error;
+  EXPECT_DOUBLE_EQ(Value(r, "tsd_job_step_wait_seconds", job), 0.025);
+  EXPECT_EQ(Value(r, "tsd_job_paging_bytes_per_step",
+                  {{"job_name", "metrics-opt"}, {"direction", "h2d"}}),
+            4096);
+  EXPECT_EQ(Value(r, "tsd_job_paging_bytes_per_step",
+                  {{"job_name", "metrics-opt"}, {"direction", "d2h"}}),
+            1024);
 }
 
 // Issue 13, defect 9: by default /metrics (which any local user may scrape) shows aggregates
@@ -811,6 +826,8 @@ TEST(Metrics, ByDefaultNoJobIsNamed) {
   EXPECT_EQ(Value(m, "tsd_jobs"), 1);
   EXPECT_GE(Value(m, "tsd_regions"), 1);
   EXPECT_EQ(Value(m, "tsd_optimizer_steps_total"), 1);  // one aggregate series
+  EXPECT_EQ(Value(m, "tsd_step_wait_seconds_max"), 0);  // the client reported nothing
+  EXPECT_EQ(Value(m, "tsd_paging_bytes_per_step", {{"direction", "h2d"}}), 0);
   EXPECT_TRUE(std::isnan(Value(m, "tsd_job_used_bytes", {{"job_name", "secret-project"}})));
 }
 
@@ -886,8 +903,8 @@ TEST(Top, BatchFramesListEveryJob) {
   EXPECT_EQ(rc, 0) << out;
   // stdout is a pipe: plain frames, no escape sequences.
   EXPECT_THAT(out, Not(HasSubstr("\x1b[")));
-  size_t frames = 0;
-  for (size_t at = out.find("JOB "); at != std::string::npos; at = out.find("JOB ", at + 1))
+  size_t frames = 0;  // each frame has one memory table (and one activity table)
+  for (size_t at = out.find("%QUOTA"); at != std::string::npos; at = out.find("%QUOTA", at + 1))
     ++frames;
   EXPECT_EQ(frames, 2u) << out;
   EXPECT_THAT(out, HasSubstr("pool: 20 MiB used of 256 MiB"));

@@ -68,6 +68,19 @@ struct JobStatus {
   uint64_t used_bytes = 0;
   uint64_t quota_bytes = 0;
   uint32_t regions = 0;
+  // What the job's optimizer is doing (`tsctl top`); see JobActivity in tsd.proto.
+  struct Activity {
+    uint64_t steps = 0, params = 0, params_updated = 0, bucket_updates = 0;
+    double steps_per_s = 0, params_per_s = 0;
+    double bucket_update_p50_s = 0, bucket_update_p99_s = 0;
+    std::string moment_dtype;  // "F32" or "BF16"
+    // The client's report of its last step (client_reports == 0: it never reported).
+    uint64_t client_reports = 0;
+    double client_step_wait_s = 0;
+    uint64_t client_h2d_bytes = 0, client_d2h_bytes = 0;
+  };
+  bool has_optimizer = false;
+  Activity activity;
 };
 
 // Something tsd said on its own initiative on the session's connection.

@@ -119,6 +119,10 @@ class Optimizer final {
   double last_grad_norm() const;
   // Optimizer steps applied to bucket b.
   uint32_t steps(size_t b) const;
+  // Tells tsd about the step just finished, for `tsctl top` only (tsd shows it, never acts on
+  // it): how long step() waited for tsd, and the bytes paged host to device and device to host.
+  // A negative wait is refused (INVALID_ARGUMENT).
+  absl::Status ReportStep(absl::Duration wait, uint64_t h2d_bytes, uint64_t d2h_bytes);
 
   // Writes the state (master, moments, steps) as safetensors into `fd` (a regular file or a
   // memfd); reads it back. Both need every bucket idle.

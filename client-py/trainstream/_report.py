@@ -1,0 +1,36 @@
+"""What a wrapped model's client tells tsd about each step, for `tsctl top` (tsd shows it and never
+acts on it): how long `step()` waited for tsd, and the bytes the weight and activation pagers moved
+in the step. It is written on the job's control page (`Optimizer.report_step`), no call is made.
+
+The pagers count bytes cumulatively (until their `reset_stats()`); a step's traffic is the growth
+since the previous report. Weights only move host to device (trained ones are updated in tsd's
+slots); activations are paged out (device to host) and back (host to device), so each paged byte
+counts once each way.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+# The pagers' counters at each session's previous report: (weights moved, activations paged).
+_last: "weakref.WeakKeyDictionary[Any, tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def _growth(now: int, before: int) -> int:
+    return now - before if now >= before else now  # reset_stats() restarted the counter
+
+
+def report_step(session: Any, started: float) -> None:
+    """Reports the step `session` (an `engine.Session`) just finished: `started` is the
+    `time.perf_counter()` at which its `step()` began waiting for tsd."""
+    handle = session.handle
+    report = getattr(handle, "report_step", None)
+    if report is None:  # an extension built before the report existed
+        return
+    moved = session.pager.moved_bytes if session.pager is not None else 0
+    paged = session.act_pager.paged_bytes if session.act_pager is not None else 0
+    was_moved, was_paged = _last.get(session, (0, 0))
+    _last[session] = (moved, paged)
+    out = _growth(paged, was_paged)
+    report(max(0.0, time.perf_counter() - started), _growth(moved, was_moved) + out, out)
