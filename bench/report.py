@@ -26,6 +26,9 @@ Kinds (attributes; any attribute not listed is a filter on the records' workload
           run for each mode and budget; `run=` restricts it to one): `img=NAME.png` (written to
           docs/img/), `modes=`, `title=`.
           The budget is the run's VRAM cap, or its measured peak where it ran uncapped.
+  bars    step time and peak VRAM side by side, one bar per mode of one run (selected as `modes`
+          selects it): `img=NAME.png`, `modes=`, `title=`, `vram=device|torch` (default device:
+          the whole-device peak where the run measured it, else torch's).
 
 Medians and ratios: a mode's figure is the median over the runs of it in the selected run (a
 benchmark's --repeats); a ratio is the ratio of two such medians. A ratio whose margin (its
@@ -73,11 +76,11 @@ LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "lora_stock": "stock peft LoRA r=16", "ds_offload": "DeepSpeed ZeRO-2, offload_optimizer=cpu",
           "torchao_offload": "torchao CPUOffloadOptimizer"}
 DEFAULT_COLS = "step,vram,vram_device,host,tsd"
-KNOWN_ATTRS = {"kind", "benchmark", "run", "modes", "cols", "ratio", "target", "howto", "img", "title", "by", "header"}
+KNOWN_ATTRS = {"kind", "benchmark", "run", "modes", "cols", "ratio", "target", "howto", "img", "title", "by", "header", "vram"}
 BLOCK = re.compile(r"^<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
                    re.S | re.M)
 OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_.-]+)", re.M)
-KINDS = ("modes", "runs", "raw", "plot")
+KINDS = ("modes", "runs", "raw", "plot", "bars")
 TARGET = re.compile(r"^([^:]+):([^:]+):([^:<>=]+)(<=|>=)([0-9.]+)$")
 
 
@@ -107,11 +110,13 @@ class Block:
 
 @dataclass
 class Plot:
-    """A plot to write: where, its title, and for each mode its (budget GiB, s/step) points."""
+    """A plot to write: where, its title, and for each mode its (budget GiB, s/step) points
+    (`kind` "lines"), or its one (s/step, peak VRAM GiB) pair (`kind` "bars")."""
 
     path: str
     title: str
     series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    kind: str = "lines"
 
 
 def parse_attrs(name: str, text: str, line: int) -> Block:
@@ -426,6 +431,38 @@ def render_plot(block: Block, records: list[dict[str, Any]], img_dir: str, plots
     return "\n".join(lines) + "\n"
 
 
+def render_bars(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
+    img = block.get("img")
+    if not img or not re.fullmatch(r"[A-Za-z0-9_.-]+\.png", img):
+        raise ReportError(f"{block.where()}: give img=NAME.png (letters, digits, '_', '-', '.')")
+    which = block.get("vram", "device")
+    if which not in ("device", "torch"):
+        raise ReportError(f"{block.where()}: vram= is device or torch, not {which!r}")
+    modes = [m for m in (block.get("modes") or "").split(",") if m]
+    run = select_run(block, records, modes)
+    if not run:
+        return empty(block)
+    series: dict[str, list[tuple[float, float]]] = {}
+    rows = []
+    for mode in modes or list(dict.fromkeys(r["mode"] for r in run)):
+        recs = [r for r in run if r["mode"] == mode]
+        step = mode_median(recs, "step_s_median")
+        vram = (mode_median(recs, "vram_device_peak_gib") if which == "device" else None) \
+            or mode_median(recs, "vram_torch_peak_gib")
+        if step is None or vram is None:
+            continue
+        series[mode] = [(step, vram)]
+        rows.append(f"| `{mode}` | {step:.3f} | {vram:.1f} |")
+    if not series:
+        return empty(block)
+    title = block.get("title") or block.name
+    plots.append(Plot(os.path.join(img_dir, img), title, series, kind="bars"))
+    rel = os.path.basename(img_dir) + "/" + img
+    head = "peak VRAM GiB (device)" if which == "device" else "peak VRAM GiB (torch)"
+    return "\n".join([f"![{title}]({rel})", "", f"Run `{run[0]['run_id']}`.", "", f"| mode | s/step | {head} |",
+                      "|---|---|---|", *rows]) + "\n"
+
+
 def generate(doc: str, records: list[dict[str, Any]], img_dir: str) -> tuple[str, list[Plot]]:
     """The docs with every generated block rewritten from `records`, and the plots they show."""
     plots: list[Plot] = []
@@ -448,6 +485,8 @@ def generate(doc: str, records: list[dict[str, Any]], img_dir: str) -> tuple[str
             body = render_runs(block, records)
         elif block.kind == "raw":
             body = render_raw(block, records)
+        elif block.kind == "bars":
+            body = render_bars(block, records, img_dir, plots)
         else:
             body = render_plot(block, records, img_dir, plots)
         return f"<!-- report:{block.name}{m.group('attrs')}-->\n{body}<!-- /report:{block.name} -->"
@@ -462,6 +501,9 @@ def write_plot(plot: Plot) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if plot.kind == "bars":
+        write_bars(plot, plt)
+        return
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for mode, pts in plot.series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
@@ -472,6 +514,28 @@ def write_plot(plot: Plot) -> None:
     ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(plot.path), exist_ok=True)
+    fig.savefig(plot.path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def write_bars(plot: Plot, plt: Any) -> None:
+    """Two bar charts side by side: each mode's s/step and its peak VRAM."""
+    modes = list(plot.series)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8), dpi=100)
+    for ax, k, name in ((left, 0, "s/step (median)"), (right, 1, "peak VRAM GiB")):
+        vals = [plot.series[m][0][k] for m in modes]
+        bars = ax.bar(range(len(modes)), vals, color=["C0" if m.startswith("tsd") else "C7" for m in modes])
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels(modes, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(name)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, axis="y", alpha=0.3)
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.2f}" if k == 0 else f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
+                        va="bottom", fontsize=7)
+    fig.suptitle(plot.title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(plot.path), exist_ok=True)
     fig.savefig(plot.path, format="png", metadata={"Software": None})

@@ -237,3 +237,20 @@ def test_transcribed_runs_say_so():
         assert r["source"] == "transcribed from docs/benchmarks.md before the pipeline (stop 7)"
         assert r["transcribed_at"] and r["time_utc"] is None and r["commit"] is None
     assert all(r["source"] == "measured" for r in records if not r["run_id"].startswith("stop7-"))
+
+
+def test_bars_show_each_modes_step_and_peak_of_one_run(tmp_path):
+    records = [rec("r", 0, "a", 0.5, vram=10.0), rec("r", 1, "b", 1.0, vram=20.0), rec("r", 2, "a", 0.7, vram=10.0)]
+    records[1]["values"]["vram_device_peak_gib"] = 22.0
+    plots = []
+    block = report.Block("t", "bars", {"benchmark": ["finetune"], "modes": ["a,b"], "img": ["x.png"]}, 1)
+    text = report.render_bars(block, records, str(tmp_path), plots)
+    assert "| `a` | 0.600 | 10.0 |" in text  # the median of its runs; torch's peak where no device peak
+    assert "| `b` | 1.000 | 22.0 |" in text  # the whole-device peak by default
+    assert plots[0].kind == "bars" and plots[0].series == {"a": [(0.6, 10.0)], "b": [(1.0, 22.0)]}
+    torch_only = report.Block("t", "bars", {"benchmark": ["finetune"], "modes": ["a,b"], "img": ["x.png"],
+                                           "vram": ["torch"]}, 1)
+    assert "| `b` | 1.000 | 20.0 |" in report.render_bars(torch_only, records, str(tmp_path), [])
+    with pytest.raises(report.ReportError, match="vram= is device or torch"):
+        report.render_bars(report.Block("t", "bars", {"benchmark": ["finetune"], "img": ["x.png"], "vram": ["gpu"]}, 1),
+                           records, str(tmp_path), [])
