@@ -316,6 +316,17 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
   return out;
 }
 
+// A handle for `spec`'s buckets (their dtypes) on `client`, before its optimizer is registered.
+HandlePtr NewHandle(const ClientPtr& client, const tsd::OptimizerSpec& spec) {
+  auto h = std::make_shared<OptimizerHandle>();
+  for (const auto& b : spec.buckets) {
+    h->grad_dtypes.push_back(b.grad_dtype);
+    h->param_dtypes.push_back(b.param_dtype);
+  }
+  h->client = client;
+  return h;
+}
+
 HandlePtr RegisterOptimizer(
     const ClientPtr& client, const std::vector<py::dict>& groups,
     const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
@@ -323,12 +334,7 @@ HandlePtr RegisterOptimizer(
     bool amsgrad, bool maximize) {
   const tsd::OptimizerSpec spec =
       SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
-  auto h = std::make_shared<OptimizerHandle>();
-  for (const auto& b : spec.buckets) {
-    h->grad_dtypes.push_back(b.grad_dtype);
-    h->param_dtypes.push_back(b.param_dtype);
-  }
-  h->client = client;
+  auto h = NewHandle(client, spec);
   {
     py::gil_scoped_release release;
     h->opt = Value(client->RegisterOptimizer(spec));
@@ -344,12 +350,7 @@ py::tuple ResumeOptimizer(
     bool amsgrad, bool maximize) {
   const tsd::OptimizerSpec spec =
       SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
-  auto h = std::make_shared<OptimizerHandle>();
-  for (const auto& b : spec.buckets) {
-    h->grad_dtypes.push_back(b.grad_dtype);
-    h->param_dtypes.push_back(b.param_dtype);
-  }
-  h->client = client;
+  auto h = NewHandle(client, spec);
   tsd::ResumeReport report;
   {
     py::gil_scoped_release release;

@@ -73,6 +73,17 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
       });
   if (!installed.ok()) return rollback(installed);
 
+  v1::RegisterOptimizerResponse resp = LayoutResponse(layout, options);
+  spdlog::info(
+      "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
+      "accumulate={}",
+      job->name, layout.buckets.size(), layout.groups.size(), layout.total_bytes(),
+      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate);
+  return resp;
+}
+
+v1::RegisterOptimizerResponse Registrar::LayoutResponse(const OptimizerPlan& layout,
+                                                        const RegistryOptions& options) {
   v1::RegisterOptimizerResponse resp;
   for (const auto& b : layout.buckets) {
     auto* l = resp.add_buckets();
@@ -83,11 +94,6 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
   resp.set_state_bytes(layout.total_bytes());
   resp.set_isa(kernels::IsaName(options.isa));
   resp.set_threads(static_cast<uint32_t>(options.pool->threads()));
-  spdlog::info(
-      "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
-      "accumulate={}",
-      job->name, layout.buckets.size(), layout.groups.size(), layout.total_bytes(),
-      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate);
   return resp;
 }
 

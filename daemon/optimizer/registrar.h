@@ -40,6 +40,11 @@ class Registrar final {
   absl::StatusOr<v1::RegisterOptimizerResponse> Resume(uint64_t session_id,
                                                        const v1::RegisterOptimizerRequest& req);
 
+  // The answer to a registration: where each bucket's master, gradient and parameter slots are,
+  // the state's size, the kernels' ISA and the workers (a new registration and a resume alike).
+  static v1::RegisterOptimizerResponse LayoutResponse(const OptimizerPlan& layout,
+                                                      const RegistryOptions& options);
+
   Registry& registry_;
   const AfterAlloc after_alloc_;
 };

@@ -28,16 +28,7 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Resume(
                        }));
   TSD_ASSIGN_OR_RETURN(const JobOptimizer::ResumePoint point, optimizer->Resume(kSettleTimeout));
   const OptimizerPlan& layout = optimizer->plan();
-  v1::RegisterOptimizerResponse resp;
-  for (const auto& b : layout.buckets) {
-    auto* l = resp.add_buckets();
-    l->set_master_offset(b.master_offset);
-    l->set_grad_offset(b.grad_offset);
-    l->set_param_offset(b.param_offset);
-  }
-  resp.set_state_bytes(layout.total_bytes());
-  resp.set_isa(kernels::IsaName(options.isa));
-  resp.set_threads(static_cast<uint32_t>(options.pool->threads()));
+  v1::RegisterOptimizerResponse resp = LayoutResponse(layout, options);
   v1::ResumeReport* report = resp.mutable_resume();
   for (uint64_t s : point.bucket_steps) report->add_bucket_steps(s);
   report->set_committed(point.committed);
