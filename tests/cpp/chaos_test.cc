@@ -326,11 +326,22 @@ TEST(Chaos, ClientsKilledAtRandomPointsLeakNothing) {
   // Descriptors, mappings and threads back within a small bound of the baseline (a leak of one
   // a cycle would exceed it by the number of cycles).
   constexpr int kFdSlack = 8, kMapSlack = 64, kThreadSlack = 8;
+#if defined(__SANITIZE_THREAD__)
+  // Under TSan the daemon's mappings are mostly TSan's own: its allocator and the per-thread state
+  // of every thread the daemon ever started (gRPC's connection threads come and go) are mapped as
+  // they are first needed and kept. Measured: +221 mappings over 100 cycles with fds and threads
+  // flat, where the plain build moves by 1 over 1,000 cycles and ASan stays within the bound. So
+  // this build checks descriptors, threads and bytes; the others check mappings too.
+  constexpr bool kCheckMaps = false;
+#else
+  constexpr bool kCheckMaps = true;
+#endif
   Footprint after;
   const bool settled = WaitFor(
       [&] {
         after = FootprintOf(d->pid());
-        return after.fds <= before.fds + kFdSlack && after.maps <= before.maps + kMapSlack &&
+        return after.fds <= before.fds + kFdSlack &&
+               (!kCheckMaps || after.maps <= before.maps + kMapSlack) &&
                after.threads <= before.threads + kThreadSlack;
       },
       10);
