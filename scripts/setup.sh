@@ -32,8 +32,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -r requirements-dev.txt
 # TRL (trainstream.integrations.trl, tests/python/test_trl.py): 1.16.0 works with transformers 5.17.0
-# and torch 2.11. MkDocs builds the documentation site (mkdocs.yml; `mkdocs build --strict`).
-.venv/bin/python -m pip install -q trl==1.16.0 mkdocs==1.6.1
+# and torch 2.11 (datasets pinned at the version tested with it). MkDocs builds the documentation site (mkdocs.yml; `mkdocs build --strict`).
+.venv/bin/python -m pip install -q trl==1.16.0 datasets==5.2.0 mkdocs==1.6.1
 # The trainstream package (client-py/): its extension is built against the torch just installed,
 # and against tsclient, which its setup.py builds with CMake into build-py/.
 echo "setup: building the trainstream Python package"
