@@ -269,12 +269,20 @@ class Session:
                 f"made to the weight before the update: the parameter keeps the change and this step's update of it "
                 f"is dropped. Call optimizer.synchronize() before changing parameters between steps, or pass "
                 f"overlap_forward=False to wrap()")
-        self.handle.wait(b)
-        if not ps.paged:
-            with torch.no_grad():
-                p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
-        ps.version = p._version
+        self._take_update(b)
         self.deferred_versions.pop(b, None)
+
+    def _take_update(self, b: int) -> None:
+        """Waits for bucket b's update and copies its parameter slot into the parameter (H2D on the
+        current stream on CUDA). A paged bucket's slot is its paged copy: its next use copies it."""
+        ps = self.params[b]
+        self.handle.wait(b)
+        if ps.paged:
+            return
+        p = ps.param
+        with torch.no_grad():
+            p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
+        ps.version = p._version
 
     def wait_updates(self, buckets: Optional[list[int]] = None) -> None:
         """Completes the updates still owed to the model: of `buckets`, or all (None). Everything that
@@ -344,13 +352,7 @@ class Session:
                 self.deferred_versions[b] = ps.param._version
                 self.waits.defer(b)
                 continue
-            h.wait(b)
-            p = ps.param
-            if ps.paged:
-                continue  # its parameter slot is its paged copy: the next use copies it from there
-            with torch.no_grad():
-                p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
-            ps.version = p._version
+            self._take_update(b)
         if self.marks is not None:
             self.marks.record(self.steps + 1, self.finaled | self.skip)
         self.skip.clear()
