@@ -2,10 +2,11 @@
 acts on it): how long `step()` waited for tsd, and the bytes the weight and activation pagers moved
 in the step. It is written on the job's control page (`Optimizer.report_step`), no call is made.
 
-The pagers count bytes cumulatively (until their `reset_stats()`); a step's traffic is the growth
-since the previous report. Weights only move host to device (trained ones are updated in tsd's
-slots); activations are paged out (device to host) and back (host to device), so each paged byte
-counts once each way.
+The weight pager measures each step's copies itself (`last_step_h2d_bytes`, set by its
+`after_step()`, which runs before the report). The activation pager counts bytes cumulatively
+(until its `reset_stats()`); a step's traffic is the growth since the previous report. Weights only
+move host to device (trained ones are updated in tsd's slots); activations are paged out (device to
+host) and back (host to device), so each paged byte counts once each way.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import time
 import weakref
 from typing import Any
 
-# The pagers' counters at each session's previous report: (weights moved, activations paged).
-_last: "weakref.WeakKeyDictionary[Any, tuple[int, int]]" = weakref.WeakKeyDictionary()
+# The activation pager's counter at each session's previous report.
+_last: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def _growth(now: int, before: int) -> int:
@@ -28,9 +29,8 @@ def report_step(session: Any, started: float) -> None:
     report = getattr(handle, "report_step", None)
     if report is None:  # an extension built before the report existed
         return
-    moved = session.pager.moved_bytes if session.pager is not None else 0
+    moved = (session.pager.last_step_h2d_bytes or 0) if session.pager is not None else 0
     paged = session.act_pager.paged_bytes if session.act_pager is not None else 0
-    was_moved, was_paged = _last.get(session, (0, 0))
-    _last[session] = (moved, paged)
-    out = _growth(paged, was_paged)
-    report(max(0.0, time.perf_counter() - started), _growth(moved, was_moved) + out, out)
+    out = _growth(paged, _last.get(session, 0))
+    _last[session] = paged
+    report(max(0.0, time.perf_counter() - started), moved + out, out)

@@ -34,16 +34,16 @@ def session(pager=None, act_pager=None):
     return FakeSession(pager, act_pager)
 
 
-def test_a_steps_traffic_is_the_growth_of_the_pagers_counters():
-    weights = SimpleNamespace(moved_bytes=0)
+def test_a_steps_traffic_is_the_weights_step_and_the_growth_of_the_activations_counter():
+    weights = SimpleNamespace(last_step_h2d_bytes=None)
     acts = SimpleNamespace(paged_bytes=0)
     s = session(weights, acts)
     started = time.perf_counter()
-    weights.moved_bytes, acts.paged_bytes = 1000, 300
+    weights.last_step_h2d_bytes, acts.paged_bytes = 1000, 300
     _report.report_step(s, started)
-    weights.moved_bytes, acts.paged_bytes = 1500, 700
+    weights.last_step_h2d_bytes, acts.paged_bytes = 500, 700
     _report.report_step(s, started)
-    weights.moved_bytes, acts.paged_bytes = 200, 50  # reset_stats() restarted both counters
+    weights.last_step_h2d_bytes, acts.paged_bytes = 200, 50  # reset_stats() restarted the counter
     _report.report_step(s, started)
     # Weights move host to device only; paged activations go out and come back.
     assert [c[1:] for c in s.handle.calls] == [(1300, 300), (900, 400), (250, 50)]
