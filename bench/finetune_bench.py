@@ -142,7 +142,9 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])
-    if host_built(a, mode):
+    if a.load_model and mode in ("tsd_lora", "tsd_qlora"):
+        model = loaded_model(cfg, mode, a.socket)
+    elif host_built(a, mode):
         model = host_model(cfg, torch.bfloat16 if mode in LORA_MODES else torch.float32, a.device)
     elif mode not in LORA_MODES:
         model = Qwen2ForCausalLM(cfg)
@@ -156,7 +158,7 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
     if mode in LORA_MODES:
         import peft
 
-        if mode == "tsd_qlora":
+        if mode == "tsd_qlora" and not a.load_model:
             import trainstream
 
             trainstream.quantize_model(model, "nf4", block_size=64)
@@ -169,6 +171,24 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
         if mode in LORA_MODES:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need an input with grad
     return model, cfg.vocab_size
+
+
+def loaded_model(cfg: Any, mode: str, socket: Optional[str]) -> Any:
+    """--load-model: the base as users load it, `load_model(dir, random_weights=True)`
+    on a folder holding only `cfg` (tsd_qlora: quantize="nf4", block 64; tsd_lora: bf16), in host
+    memory (quantized weights in the memory of the tsd at `socket`, load_model's default)."""
+    import torch
+    from trainstream.integrations.huggingface import load_model
+
+    if socket:
+        os.environ["TSD_SOCKET"] = socket  # load_model(host="auto") asks the default socket
+    with tempfile.TemporaryDirectory() as d:
+        cfg.save_pretrained(d)
+        model = load_model(d, quantize="nf4" if mode == "tsd_qlora" else "none", dtype=torch.bfloat16,
+                           random_weights=True, block_size=64, progress=False)
+    print(f"load_model: {model._ts_load_info}", file=sys.stderr)
+    model.train()
+    return model
 
 
 def host_built(a: argparse.Namespace, mode: str) -> bool:
@@ -380,6 +400,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
+            *(["--load-model"] if a.load_model else []),
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
 
 
@@ -395,7 +416,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
                  tsd_threads=raw.get("threads"), daemon_args=a.daemon_args, overlap_forward=a.overlap,
                  **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
-                 **({"offload": a.offload} if a.offload != "true" else {}))
+                 **({"offload": a.offload} if a.offload != "true" else {}),
+                 **({"load_model": True} if a.load_model and mode in ("tsd_lora", "tsd_qlora") else {}))
     return w
 
 
@@ -466,6 +488,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "default: stock AdamW on the GPU after two steps when it fits, e.g. LoRA adapters)")
     ap.add_argument("--param-offload", default="",
                     help="the tsd modes' wrap(param_offload=): auto, true or a fraction (default: off)")
+    ap.add_argument("--load-model", action="store_true",
+                    help="tsd_lora/tsd_qlora build their base with trainstream.load_model(random_weights=True), "
+                         "as users load one (quantized weights in tsd memory), instead of quantize_model")
     ap.add_argument("--socket", default=None, help="an existing tsd (default: start build/bin/tsd)")
     ap.add_argument("--tsd-bin", default=None, help="the tsd to start (default $TSD_BIN, else build/bin/tsd)")
     ap.add_argument("--pool-size", default="96GiB")

@@ -49,7 +49,12 @@ stage_kernels() {
 }
 
 stage_pytest() {
-  python3 -m pytest -q -rs "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -40 || echo "gpu.sh: pytest failed"
+  # -v names every test as it ends, so a run cut short by the call's time limit still says which
+  # failed; the short tracebacks follow at the end.
+  python3 -m pytest -v --tb=short -rfEs -p no:cacheprovider "$@" >"$OUT/pytest.txt" 2>&1 ||
+    echo "gpu.sh: pytest failed"
+  grep -E "(FAILED|ERROR)( |$)" "$OUT/pytest.txt" | head -40 || true
+  tail -3 "$OUT/pytest.txt"
 }
 
 stage_peers() {

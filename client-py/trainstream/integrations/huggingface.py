@@ -132,9 +132,13 @@ def _resolve(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def _random_like(name: str, p: torch.Tensor, dtype: torch.dtype, std: float, gen: torch.Generator) -> torch.Tensor:
+    """load_model's random weight for parameter `name` (shaped like `p`), in host memory: normal(0,
+    std) for matrices, drawn by `gen` on its device (a GPU's when one is present: torch draws on the
+    CPU in one thread, minutes for a 32B model), ones for norms and zeros for biases."""
     if p.dim() == 1:
         return (torch.zeros if name.endswith("bias") else torch.ones)(p.shape, dtype=dtype)
-    return torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(dtype)
+    t = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=gen.device).mul_(std)
+    return t.to("cpu", dtype)
 
 
 def _host_memory(host: Any, kind: Optional[str], stored: bool, quantized_bytes: int) -> tuple[Any, Optional[str]]:
@@ -189,7 +193,8 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
     `budget.ram_available / budget.processes`, else `ram_fraction` of the available RAM per local
     process; a checkpoint stored quantized stays so). dtype: the compute dtype (default the
     checkpoint's). random_weights=True builds the architecture with random weights and reads none
-    (benchmarks of bases not at hand).
+    (benchmarks of bases not at hand; drawn on the GPU when one is present, a tensor at a time, so
+    the same seed gives other values there than on a machine without one).
     config_overrides (e.g. num_hidden_layers=2) change the config; tensors of the checkpoint the
     smaller model has no place for are then skipped.
     host: where quantized weights live. "auto" (the default): in tsd memory when a tsd answers at
@@ -336,7 +341,7 @@ def load_model(path: Union[str, os.PathLike[str]], quantize: str = "auto", dtype
         info["host_note"] = host_note
     bar = _Progress(len(read), sum(math.prod(keys[n][1]) * _bytes_of(keys[n][2]) for n in read) if keys else 0,
                     progress)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cuda" if random_weights and torch.cuda.is_available() else "cpu").manual_seed(0)
     std = float(getattr(config, "initializer_range", 0.02))
     handles: dict[str, Any] = {}
     try:
