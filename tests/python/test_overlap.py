@@ -44,6 +44,7 @@ def run(tsd, overlap, device="cpu", steps=10, accumulation=1, max_grad_norm=None
     the model's and the optimizer's state dicts read right after step()."""
     model = copy.deepcopy(model) if model is not None else make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
+    wrap_kw.setdefault("offload", True)  # on CUDA, "auto" would hand a model this small to stock AdamW after 2 steps
     model, opt = trainstream.wrap(model, opt, device=device, socket=tsd.socket, max_grad_norm=max_grad_norm,
                                   accumulation_steps=accumulation, overlap_forward=overlap, **wrap_kw)
     session = trainstream.unwrap_session(model)

@@ -762,8 +762,8 @@ def test_cuda_paged_equals_unpaged_and_lowers_the_peak(tsd, dtype, autocast):
     unpaged identical bit for bit; the peak drops by most of the paged blocks' weights."""
     make = lambda: make_gpt(0, layers=8, d=256, seq=64)  # noqa: E731  8 blocks of 3 MiB (fp32)
     data = batches(6, batch=8, seq=64, device="cuda")
-    (a, pa, _, peak_a, _), (b, pb, ev, peak_b, moves) = cuda_pair_runs(
-        tsd, make, 6, True, data=data, autocast=autocast, param_dtype=dtype)
+    (a, pa, _, peak_a, _), (b, pb, ev, peak_b, moves) = cuda_pair_runs(  # depth 1: two blocks in flight
+        tsd, make, 6, True, data=data, autocast=autocast, param_dtype=dtype, prefetch_depth=1)
     print(f"param_dtype={dtype}: peak unpaged {peak_a / 2**20:.1f} MiB, every block paged {peak_b / 2**20:.1f} MiB, "
           f"{moves} block copies; events: {ev}")
     assert b == a, f"losses differ: unpaged {a} vs paged {b}"
