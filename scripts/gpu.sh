@@ -3,7 +3,7 @@
 # root of the copy the device tool sends, with .devdeps carried. Each call starts from a bare
 # machine, so `build` comes first in every call:
 #
-#   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...]
+#   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...] [python SCRIPT ARGS...]
 #
 #   build [min]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into /tmp/bg;
 #              `min`: only tsd, tsctl, libtsclient and libtsd_quant), and the Python extension
@@ -13,6 +13,8 @@
 #   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt)
 #   peers      installs the carried peer wheels (DeepSpeed, torchao) into /tmp/site
 #   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
+#   python     a script with its arguments, against that tsd and extension (e.g.
+#              bench/paging_memory_trace.py), its output in $OUT/python.txt
 #
 # Stage arguments run until the next stage name. $OUT is the device tool's output folder.
 # Set TSD_BENCH_COMMIT=<commit> in the command, written out on the development machine: the
@@ -25,7 +27,7 @@ source .devdeps/device-env.sh
 export TSD_BIN=/tmp/bg/bin/tsd TSD_QUANT_LIB=/tmp/bg/lib/libtsd_quant.so
 export PYTHONPATH=/tmp/tspy:/tmp/site:$PWD/.devdeps/site
 export TSD_BENCH_COMMIT=${TSD_BENCH_COMMIT:-unknown}
-STAGES=" build kernels pytest peers finetune "
+STAGES=" build kernels pytest peers finetune python "
 
 stage_build() {
   local t0=$SECONDS
@@ -66,6 +68,10 @@ stage_peers() {
 stage_finetune() {
   DS_SKIP_CUDA_CHECK=1 python3 bench/finetune_bench.py --peers .devdeps --tsd-bin /tmp/bg/bin/tsd \
     --results "$OUT/finetune.jsonl" "$@"
+}
+
+stage_python() {
+  python3 "$@" 2>&1 | tee -a "$OUT/python.txt" | tail -60
 }
 
 while [ $# -gt 0 ]; do
