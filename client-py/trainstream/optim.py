@@ -70,8 +70,8 @@ class TsdAdamW(torch.optim.Optimizer):
         s.step_times.append(time.perf_counter() - t0)
         if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
             decide_activation_offload(s)
-        if s.offload == "auto" and s.steps == 2:
-            maybe_switch_to_stock(self)
+        if s.offload == "auto" and s.steps >= 2:
+            maybe_switch_to_stock(self)  # decides once: offload becomes True, or step() goes to stock AdamW
         return loss
 
     @property
@@ -328,6 +328,8 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
     Returns (fits, explanation)."""
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
+    if session.pager is not None:  # the block planner resets torch's peak after each of its first steps
+        peak = max(peak, session.pager.highest_peak)
     extra = planner.stock_adamw_extra_bytes(
         (ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize) for ps in session.params)
     return planner.stock_adamw_fits(peak, extra, budget.vram_usable)
@@ -335,10 +337,28 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
 
 def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     """offload="auto", after the second step: moves the state out of tsd into
-    torch.optim.AdamW and releases the job when stock AdamW fits (see stock_adamw_fits)."""
+    torch.optim.AdamW and releases the job when stock AdamW fits (see stock_adamw_fits).
+
+    With param_offload="auto" the decision waits until the block planner's plan settled: settled
+    with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
+    settled with nothing paged, it is decided as if there were no pager, and a switch releases the
+    pager (no hook, plain parameters on the device). Once decided, `s.offload` is True or the
+    optimizer is stock AdamW, so it is decided once."""
     s = opt._session
+    pager = s.pager
+    if pager is not None:
+        if pager.auto and s.planner is not None and not s.planner.done:
+            if s.steps == 2:
+                s.events.append("offload=auto: decides once the memory plan settled (param_offload='auto')")
+            return
+        if pager.paged or not pager.auto:
+            s.offload = True
+            s.events.append(f"offload=auto: keeps offloading (the weights of {len(pager.paged)} of {len(pager.blocks)} "
+                            f"blocks are paged from tsd's memory, their parameter slots)")
+            return
     fits, why = stock_adamw_fits(s)
     if not fits:
+        s.offload = True
         s.events.append(f"offload=auto: keeps offloading ({why})")
         return
     per_bucket = s.read_state()
@@ -346,7 +366,10 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     fused = bool(s.cuda)
     for g in opt.param_groups:
         g.update(fused=fused, foreach=False)
-    s.release(keep_pager=True)  # the fit check measured the peak with the activations paged
+    # The fit check measured the peak with the activations paged: their pager stays. The weight
+    # pager (param_offload="auto", nothing paged) goes, with its hooks and its planner.
+    s.release(keep_pager=True)
+    s.planner = None
     inner = torch.optim.AdamW(opt.param_groups, fused=fused, foreach=False)
     for b, (master, m, v, step) in per_bucket.items():
         p = s.params[b].param
@@ -358,4 +381,5 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     opt._inner = inner
     opt.state = inner.state
     s.events.append(f"offload=auto: switched to stock {'fused ' if s.cuda else ''}AdamW on {s.device} ({why}); "
-                    f"the job's memory in tsd was released")
+                    f"the job's memory in tsd was released"
+                    f"{'; the weight pager (nothing paged) was released' if pager is not None else ''}")

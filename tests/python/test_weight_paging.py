@@ -7,6 +7,7 @@ watchdog. Paging never changes results: paged runs are compared with unpaged tsd
 equality (losses and parameters), since both run the same AdamW in tsd."""
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -647,6 +648,111 @@ def test_auto_on_a_model_that_fits_pages_nothing_installs_no_hook_and_changes_no
         train(model, opt, data[1:], 1)
     finally:
         trainstream.unwrap(model)
+
+
+ROOMY = Budget(vram_usable=1 << 40)  # a budget in which stock AdamW fits: offload="auto" may switch on the CPU
+
+
+def auto_run(tsd, make, data, between=None, after_wrap=None, offload="auto", **wrap_kw):
+    """Trains make() with offload="auto" (and the given options); returns (losses, parameters,
+    events, session, the optimizer's offloading after each step)."""
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                  socket=tsd.socket, offload=offload, budget=ROOMY, **wrap_kw)
+    s = unwrap_session(model)
+    try:
+        if after_wrap:
+            after_wrap(model, s)
+        losses, offloading = [], []
+        for k, t in enumerate(data):
+            loss = loss_of(model, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            offloading.append(opt.offloading)
+            if between:
+                between(k, model, s)
+        return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}, list(s.events), s, \
+            offloading
+    finally:
+        if unwrap_session(model) is not None:
+            trainstream.unwrap(model)
+
+
+def test_auto_is_the_default_and_offload_auto_switches_as_without_paging(tsd):
+    """param_offload="auto" is wrap()'s default. On a model that fits (here the CPU, nothing to
+    page) its pager pages nothing; offload="auto" then switches to stock AdamW after the second
+    step exactly as with param_offload=False, and the switch releases the pager (no hook, every
+    parameter a plain tensor with its storage). Losses and parameters equal the
+    param_offload=False run's bit for bit, before and after the switch."""
+    assert trainstream.wiring.OPTIONS["param_offload"] == "auto"
+    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
+    data = batches(5)
+    a, pa, ea, sa, offa = auto_run(tsd, make, data, param_offload=False)
+    seen = []
+
+    def look(k, model, s):
+        seen.append((s.pager is not None and s.pager.auto, len(model._forward_pre_hooks),
+                     sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks),
+                     all(p.untyped_storage().nbytes() > 0 for p in model.parameters())))
+
+    b, pb, eb, sb, offb = auto_run(tsd, make, data, between=look)  # the default
+    assert offa == offb == [True, False, False, False, False]
+    assert seen == [(True, 0, 0, True)] + [(False, 0, 0, True)] * 4, seen
+    assert sb.pager is None and sb.planner is None
+    assert b == a
+    assert_same(pb, pa, "param_offload='auto' (the default) with the switch to stock AdamW")
+    switch = [e for e in eb if "switched to stock" in e]
+    assert len(switch) == 1 and "the weight pager (nothing paged) was released" in switch[0], eb
+    assert [e for e in ea if "switched to stock" in e] == [switch[0].split("; the weight pager")[0]]
+
+
+@pytest.mark.parametrize("settles_paged", [False, True])
+def test_offload_auto_waits_for_the_block_plan_and_follows_it(tsd, settles_paged):
+    """With param_offload="auto" and a planner (set by hand on the CPU, its peaks replaced),
+    offload="auto" decides once the plan settled, not at the second step: settled with nothing
+    paged (the first step paged three blocks, the second moved them all back, two steady steps
+    followed), the decision is made then, as without a pager, and the switch releases the pager;
+    settled with blocks paged, offloading stays (their slots are their only copy). Until the
+    switch the losses equal an offloaded unpaged run's bit for bit."""
+    make = lambda: make_gpt(0, layers=6, d=32)  # noqa: E731
+    data = batches(6)
+    ref, _, _, _, _ = auto_run(tsd, make, data, offload=True, param_offload=False)
+    steps = []
+
+    def setup(model, s):
+        s.planner = MemoryPlanner(Budget(vram_usable=2000), [100] * 6)  # target 1900
+
+        def measure():  # 600 more besides the blocks in the first step; from the second on, 800 unless it settles paged
+            steps.append(1)
+            paged = s.pager.paged
+            base = 1400 if len(steps) == 1 or settles_paged else 800
+            return base + 100 * (6 - len(paged)) + s.planner.buffers(paged)
+        s.pager.measure = measure
+        s.pager.reset_measure = lambda: None
+
+    plans = []
+
+    def between(k, model, s):
+        plans.append(sorted(s.pager.paged) if s.pager is not None else None)
+
+    b, _, events, s, offloading = auto_run(tsd, make, data, after_wrap=setup, between=between)
+    assert any("offload=auto: decides once the memory plan settled" in e for e in events), events
+    if settles_paged:
+        # step 1: 2000 > 1900, three blocks paged (1900); steady twice: settled at step 3, kept.
+        assert plans == [[0, 2, 4]] * 6, plans
+        assert offloading == [True] * 6
+        assert s.offload is True
+        assert any("keeps offloading (the weights of 3 of 6 blocks are paged" in e for e in events), events
+        assert b == ref
+    else:
+        # step 1 pages three, step 2 (1300) moves them back, steps 3 and 4 are steady: settled, switched.
+        assert plans == [[0, 2, 4], [], [], None, None, None], plans
+        assert offloading == [True, True, True, False, False, False]
+        assert any("switched to stock" in e and "weight pager (nothing paged) was released" in e for e in events)
+        assert b[:4] == ref[:4]
+        assert all(math.isfinite(x) for x in b)
 
 
 # --------------------------------------------------------------------------- quantized frozen blocks

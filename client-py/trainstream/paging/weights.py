@@ -260,6 +260,10 @@ class WeightPager:
         # the CPU: no planning there; a test may set both).
         self.measure: Optional[Callable[[], int]] = None
         self.reset_measure: Optional[Callable[[], None]] = None
+        self.highest_peak = 0           # the largest of those peaks the planner was shown since wrap()
+        # param_offload="auto" made this pager: once its plan settles with nothing paged, offload="auto"
+        # decides as if there were no pager (a switch to stock AdamW closes it; optim.maybe_switch_to_stock).
+        self.auto = False
         if self.cuda:
             dev = self.device
             self.measure = lambda: torch.cuda.max_memory_allocated(dev)
@@ -317,7 +321,12 @@ class WeightPager:
                                                                              for q in b.quants}
         total = 0
         for p in {id(p): p for p in self.model.parameters()}.values():
-            if id(p) not in pageable:
+            q = quantized_of(p)
+            if id(p) in pageable:
+                continue
+            if q is not None:
+                total += q.nbytes  # its codes and scales, not the placeholder's full precision
+            else:
                 total += p.numel() * (self.work.itemsize if (id(p) in self.trained and self.work) else p.element_size())
         total += sum(b.numel() * b.element_size() for b in self.model.buffers())
         return total
@@ -502,6 +511,7 @@ class WeightPager:
         if planner is None or self.measure is None or self.closed:
             return
         peak = self.measure()
+        self.highest_peak = max(self.highest_peak, peak)
         new = planner.observe(peak, self.paged)
         self.session.events.extend(planner.take_events())
         if new is not None:
