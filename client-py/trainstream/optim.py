@@ -153,12 +153,8 @@ class TsdAdamW(torch.optim.Optimizer):
             ps = s.by_param.get(id(p))
             if ps is None:
                 continue  # frozen: not in the daemon
-            if ps.paged:
-                raise ValueError(f"parameter {i} is in a paged block (param_offload=): bring its block back with "
-                                 f"unwrap_session(model).pager.unpage(BLOCK) before load_state_dict(), or load the "
-                                 f"state before wrap(); nothing was changed")
             st = saved_state.get(i)
-            n, b = p.numel(), ps.bucket
+            n, b = ps.shape.numel(), ps.bucket
             if st is not None:
                 bad = [k for k in ("exp_avg", "exp_avg_sq") if k not in st or st[k].numel() != n]
                 if bad or "step" not in st:
@@ -166,7 +162,8 @@ class TsdAdamW(torch.optim.Optimizer):
                                      f"{bad or ['step']} missing or of another size")
             step = 0 if st is None else st["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
-            entries[e(b, "master")] = (torch.float32, (n,), lambda p=p, st=st: _master_for(p, st))
+            work = _working_copy(ps)
+            entries[e(b, "master")] = (torch.float32, (n,), lambda work=work, st=st: _master_for(work, st))
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
@@ -278,10 +275,16 @@ def _moment(st: Optional[dict[str, Any]], part: str, n: int, dtype: torch.dtype)
     return st[part].detach().reshape(-1).to("cpu", dtype).contiguous()
 
 
+def _working_copy(ps: ParamSlots) -> torch.Tensor:
+    """The parameter's values as the model uses them: a paged parameter's are its parameter slot
+    (tsd memory; the parameter is an empty tensor between uses)."""
+    return ps.param_slot.view(ps.shape) if ps.paged else ps.param.detach()
+
+
 def _master_rounds_to_param(ps: ParamSlots) -> bool:
     """Whether the bucket's fp32 master (tsd memory, mapped) rounds to its parameter, compared in
     chunks of at most planner.STREAM_BUFFER bytes of host memory."""
-    p = ps.param.detach().reshape(-1)
+    p = _working_copy(ps).reshape(-1)
     master = ps.master
     chunk = max(1, planner.STREAM_BUFFER // 8)
     for i in range(0, p.numel(), chunk):

@@ -166,7 +166,7 @@ def test_paged_run_equals_unpaged_bit_for_bit(tsd, offload, accumulation, clip):
 
 def test_optimizer_state_dict_with_paged_blocks_equals_unpaged(tsd):
     """The optimizer's state_dict() has every paged parameter's state in its shape, equal to an
-    unpaged run's; load_state_dict() refuses a paged parameter, naming what to do, and changes nothing."""
+    unpaged run's; load_state_dict() of the unpaged run's state gives the paged run that state."""
     data = batches(3)
 
     def run(po):
@@ -185,13 +185,83 @@ def test_optimizer_state_dict_with_paged_blocks_equals_unpaged(tsd):
             for part in ("exp_avg", "exp_avg_sq", "master"):
                 assert b["state"][k][part].shape == a["state"][k][part].shape, (k, part)
                 assert torch.equal(b["state"][k][part], a["state"][k][part]), (k, part)
-        before = [t.clone() for t in (b["state"][0]["exp_avg"],)]
-        with pytest.raises(ValueError, match="paged block"):
-            opt.load_state_dict(a)
-        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before[0])
+        with torch.no_grad():
+            for st in a["state"].values():
+                st["exp_avg"].mul_(0.5)  # something to load: half the unpaged run's first moments
+        want = {k: v["exp_avg"].clone() for k, v in a["state"].items()}
+        opt.load_state_dict(a)
+        c = opt.state_dict()
+        for k in want:
+            assert torch.equal(c["state"][k]["exp_avg"], want[k]), k
+            assert torch.equal(c["state"][k]["master"], b["state"][k]["master"]), k  # the weights stay
     finally:
         trainstream.unwrap(mine)
         trainstream.unwrap(ref)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "stream"])
+def test_save_and_restore_mid_run_with_paging_equals_an_unpaged_run(tsd, tmp_path, how):
+    """The model's and the optimizer's state saved after 4 of 8 steps of a paged run (blocks 0
+    and 2), the run going on, then restored: in place mid-run (model.load_state_dict() writes the
+    paged blocks' slots) and into a fresh model wrapped with other blocks paged (every block);
+    the optimizer's state by state_dict() / load_state_dict() or streamed (save_state /
+    load_state). Both continuations equal the uninterrupted unpaged run bit for bit."""
+    data = batches(8)
+
+    def start(po, seed=0, state=None):
+        model = make_gpt(seed, layers=4, d=32)
+        if state is not None:
+            model.load_state_dict(state)
+        return trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                socket=tsd.socket, offload=True, param_offload=po, moment_dtype="float32")
+
+    ref, ref_opt = start(False)
+    try:
+        want = train(ref, ref_opt, data, 8)
+        want_params = params_of(ref)
+    finally:
+        trainstream.unwrap(ref)
+
+    path = tmp_path / "opt.safetensors"
+    mine, opt = start([0, 2])
+    s = unwrap_session(mine)
+    try:
+        assert train(mine, opt, data[:4], 4) == want[:4]
+        saved_model = {k: v.clone() for k, v in mine.state_dict().items()}
+        if how == "stream":
+            with open(path, "wb") as f:
+                opt.save_state(f)
+            saved_groups = copy.deepcopy(opt.state_dict()["param_groups"])
+        else:
+            saved_opt = opt.state_dict()  # views of a snapshot: the state at this call
+        assert train(mine, opt, data[4:6], 2) == want[4:6]  # the run goes on
+        # Back to step 4, in place, with blocks 0 and 2 still paged.
+        mine.load_state_dict(saved_model)
+        if how == "stream":
+            with open(path, "rb") as f:
+                opt.load_state(f)
+            for g, saved in zip(opt.param_groups, saved_groups):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        else:
+            opt.load_state_dict(saved_opt)
+        assert s.pager.paged == {0, 2} and storage_bytes(mine.blocks[0]) == 0
+        assert train(mine, opt, data[4:], 4) == want[4:], "the in-place restore changed the run"
+        assert_same(params_of(mine), want_params, f"restored in place ({how})")
+    finally:
+        trainstream.unwrap(mine)
+
+    fresh, opt2 = start(True, seed=7, state=saved_model)  # every block paged, from the saved weights
+    try:
+        if how == "stream":
+            with open(path, "rb") as f:
+                opt2.load_state(f)
+        else:
+            opt2.load_state_dict(saved_opt)
+        assert unwrap_session(fresh).pager.paged == {0, 1, 2, 3}
+        assert train(fresh, opt2, data[4:], 4) == want[4:], "the restore into a fresh paged run changed the run"
+        assert_same(params_of(fresh), want_params, f"restored into a fresh wrap ({how})")
+    finally:
+        trainstream.unwrap(fresh)
 
 
 def test_unwrap_gives_every_weight_back_and_the_model_trains_on(tsd):
@@ -382,10 +452,14 @@ def test_param_offload_options_are_checked(tsd):
         with pytest.raises(ValueError, match="block index"):
             s.pager.unpage(True)
         s.pager.page(1)
-        with pytest.raises(RuntimeError, match=r"block 1 of blocks is paged.*unpage\(1\)"):
-            model.load_state_dict(model.state_dict())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict({k: v + 1 for k, v in before.items()})  # into the paged block's slots too
+        assert s.pager.paged == {1} and storage_bytes(model.blocks[1]) == 0
+        after = model.state_dict()
+        assert all(torch.equal(after[k], before[k] + 1) for k in before)
         s.pager.unpage(1)
-        model.load_state_dict(model.state_dict())  # resident again: loads as usual
+        assert torch.equal(model.blocks[1].fc.weight, before["blocks.1.fc.weight"] + 1)
+        model.load_state_dict(before)  # resident again: loads as usual
     finally:
         trainstream.unwrap(model)
 

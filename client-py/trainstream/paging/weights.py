@@ -155,7 +155,8 @@ class _QWeight:
 
 
 class _Block:
-    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks")
+    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks",
+                 "loading")
 
     def __init__(self, index: int, module: nn.Module) -> None:
         self.index, self.module = index, module
@@ -167,6 +168,7 @@ class _Block:
         self.waited: set[int] = set()           # streams that waited for it
         self.bw_started = False
         self.hooks: list[Any] = []
+        self.loading = False                    # model.load_state_dict() is writing its weights
 
     @property
     def nbytes(self) -> int:
@@ -662,6 +664,7 @@ class WeightPager:
             self._handles.append(b.module.register_state_dict_pre_hook(self._state_dict_pre_hook(b)))
             self._handles.append(b.module._register_state_dict_hook(self._state_dict_hook(b)))
             self._handles.append(b.module.register_load_state_dict_pre_hook(self._load_hook(b)))
+            self._handles.append(b.module.register_load_state_dict_post_hook(self._loaded_hook(b)))
 
     def reinstall(self) -> None:
         """Registers the hooks again, after hooks installed since (an activation pager's), so the
@@ -782,12 +785,33 @@ class WeightPager:
         return hook
 
     def _load_hook(self, b: _Block) -> Callable[..., None]:
+        """model.load_state_dict() into a paged block: its weights come to the device for the load
+        (between steps), `_loaded_hook` writes the loaded values into their paged copies."""
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
-            names = [w.name for w in b.weights] + [q.name for q in b.quants]
-            if b.paged and any(prefix + n in state_dict for n in names):
-                raise RuntimeError(f"block {b.index} of {self.name} is paged (its weights live in tsd's memory): "
-                                   f"call unwrap_session(model).pager.unpage({b.index}) before load_state_dict(), or "
-                                   f"load the state before trainstream.wrap()")
+            if not b.paged or b.loading:
+                return
+            names = [w.name for w in b.weights]
+            quants = [q.name for q in b.quants if q.paged is not None]
+            if any(prefix + n in state_dict for n in quants):
+                raise RuntimeError(f"block {b.index} of {self.name} is paged with quantized weights (their codes live "
+                                   f"in tsd's memory): call unwrap_session(model).pager.unpage({b.index}) before "
+                                   f"load_state_dict(), or load the state before trainstream.wrap()")
+            if any(prefix + n in state_dict for n in names):
+                self._quiesce()
+                self._drop(b)
+                self._load_now(b, self.device)
+                b.loading = True
+        return hook
+
+    def _loaded_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, incompatible: Any) -> None:
+            if not b.loading:
+                return
+            b.loading = False
+            with torch.no_grad():
+                for w in b.weights:
+                    w.source().copy_(w.param.data)  # a trained one's slot: its master follows at its next gradient
+                    w.param.data = self._empty(w)   # (the load bumped the parameter's version, as unpaged)
         return hook
 
     def __repr__(self) -> str:
