@@ -1243,6 +1243,84 @@ def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
 
 
 @needs_cuda
+def test_cuda_default_auto_lets_offload_auto_switch_as_without_paging(tsd):
+    """wrap()'s defaults on a model that fits (param_offload="auto", offload="auto"): the block
+    plan pages nothing and settles after two steps; offload="auto" then switches to stock fused
+    AdamW exactly when param_offload=False does, the switch releases the pager (no hook, plain
+    parameters on the GPU), and losses and parameters equal the param_offload=False run's bit for
+    bit over steps before and after the switch."""
+    make = lambda: make_gpt(0, layers=6, d=128).cuda()  # noqa: E731
+    data = batches(6, batch=8, device="cuda")
+
+    def run(**kw):
+        model = make()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, **kw)
+        s = unwrap_session(model)
+        try:
+            losses, offloading, pagers = [], [], []
+            for t in data:
+                loss = loss_of(model, t)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                offloading.append(opt.offloading)
+                pagers.append(s.pager is not None)
+            hooks = len(model._forward_pre_hooks) + sum(len(b._forward_pre_hooks) + len(b._forward_hooks)
+                                                        for b in model.blocks)
+            plain = all(p.is_cuda and p.untyped_storage().nbytes() > 0 for p in model.parameters())
+            return losses, params_of(model), list(s.events), offloading, pagers, hooks, plain
+        finally:
+            if unwrap_session(model) is not None:
+                trainstream.unwrap(model)
+
+    a, pa, ea, offa, pagers_a, _, _ = run(param_offload=False)
+    b, pb, eb, offb, pagers_b, hooks, plain = run()  # the defaults
+    assert offa == offb == [True, False, False, False, False, False], (offa, offb, eb)
+    assert pagers_a == [False] * 6 and pagers_b == [True] + [False] * 5
+    assert hooks == 0 and plain
+    assert any(e.startswith("memory plan settled: 6 of 6 blocks resident") for e in eb), eb
+    assert any("switched to stock fused AdamW" in e and "weight pager (nothing paged) was released" in e for e in eb)
+    assert b == a
+    assert_same(pb, pa, "CUDA defaults (param_offload='auto') with the switch to stock AdamW")
+
+
+@needs_cuda
+def test_cuda_save_and_restore_mid_run_with_paging_equals_an_unpaged_run(tsd):
+    """On the GPU: the state of a paged run (blocks 1 and 3, bf16 working weights) saved after 3
+    of 6 steps, the run going on, then restored in place (model.load_state_dict() brings the
+    paged blocks' weights to the GPU for the load and writes them into their slots;
+    load_state_dict() of the optimizer): the continuation equals the unpaged run bit for bit."""
+    data = batches(6, batch=8, device="cuda")
+
+    def start(po):
+        model = make_gpt(0, layers=4, d=128).cuda()
+        return trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                socket=tsd.socket, offload=True, param_offload=po, param_dtype=torch.bfloat16)
+
+    ref, ref_opt = start(False)
+    try:
+        want = train(ref, ref_opt, data, 6)
+        want_params = params_of(ref)
+    finally:
+        trainstream.unwrap(ref)
+    mine, opt = start([1, 3])
+    try:
+        assert train(mine, opt, data[:3], 3) == want[:3]
+        saved_model = {k: v.clone() for k, v in mine.state_dict().items()}
+        saved_opt = opt.state_dict()
+        assert train(mine, opt, data[3:5], 2) == want[3:5]
+        mine.load_state_dict(saved_model)
+        opt.load_state_dict(saved_opt)
+        assert unwrap_session(mine).pager.paged == {1, 3} and storage_bytes(mine.blocks[1]) == 0
+        assert train(mine, opt, data[3:], 3) == want[3:]
+        assert_same(params_of(mine), want_params, "CUDA save and restore with paging")
+    finally:
+        trainstream.unwrap(mine)
+
+
+@needs_cuda
 @pytest.mark.parametrize("kind,depth", [("nf4", 1), ("nf4", 2), ("int8", 3)])
 def test_cuda_quantized_lora_base_paged_equals_unpaged(tsd, kind, depth):
     """A paged NF4 (and int8) LoRA base on the GPU: codes and absmax copied ahead of use on the copy
