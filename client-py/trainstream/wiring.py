@@ -346,7 +346,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
     masters; unwrap() gives them back in their own dtype with the masters' values),
-    param_offload=False | "auto" | True | fraction | [block indices] (weight paging), prefetch_depth=None
+    param_offload="auto" (weight paging: the block planner pages blocks of the repeated stack only when
+    the weights do not fit the VRAM; nothing on the CPU; offload="auto" decides once its plan settled)
+    | False | True | fraction | [block indices], prefetch_depth=None
     (paged blocks copied ahead of the one in use: None chooses 1 to 3 from the VRAM) | int.
     overlap_forward=False (True: step() returns once the updates are handed to tsd; each module's
     forward waits for just its own parameters' updates, which tsd runs in forward order; the

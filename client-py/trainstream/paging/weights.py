@@ -41,7 +41,8 @@ unpaged one does. On `device="cpu"` the copies are plain copies (no memory is sa
 but the streams runs and is tested).
 
 Between uses a paged parameter is an empty tensor (`p.shape == (0,)`, no storage); the model's
-`state_dict()` gives its values from tsd's memory. Move blocks with `page(i)` / `unpage(i)`
+`state_dict()` gives its values from tsd's memory, and its `load_state_dict()` writes them there
+(the block's weights visit the device for the load). Move blocks with `page(i)` / `unpage(i)`
 between steps (not between a forward and its backward).
 """
 from __future__ import annotations
