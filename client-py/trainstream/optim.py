@@ -298,13 +298,16 @@ def decide_activation_offload(session: Session) -> None:
     each block saved (the profiler's), pages the activations of the blocks needed to fit the
     usable VRAM, within what tsd can still lend the job (planner.activations_to_page), or none;
     the profiler goes either way. The peak is torch's since the process started or the caller's
-    last torch.cuda.reset_peak_memory_stats()."""
+    last torch.cuda.reset_peak_memory_stats(), or, with param_offload="auto", the first step's as
+    the block planner measured it (it resets torch's peak at wrap() and after each step it refines)."""
     prof = session.act_pager
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
     session.act_pager = None
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
+    if session.pager is not None:  # the block planner read the step's peak and reset torch's before this
+        peak = max(peak, session.pager.highest_peak)
     room = None
     if session.cuda and session.client is not None:
         try:

@@ -398,10 +398,13 @@ def test_cuda_wrap_counts_the_per_process_memory_fraction(tsd):
 
 
 @cuda
-def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request):
+@pytest.mark.parametrize("po", [False, "auto"])
+def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request, po):
     """Under a usable VRAM below the first step's peak, "auto" pages the first blocks'
     activations from the second step on, and the run equals an unpaged one bit for bit; with
-    room, it pages nothing."""
+    room, it pages nothing. With param_offload="auto" (the default) too: the block planner resets
+    torch's peak after the first step, and the activation decision still sees that step's peak
+    (and the planner pages every block's weights under 1 MiB)."""
     data = batches(4, batch=256, device="cuda")
     out = {}
     # Two runs of this model can agree bit for bit only with deterministic kernels: at batch 256
@@ -414,7 +417,7 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
         model = make_gpt(0, d=256, layers=4, heads=4).cuda()
         model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
                                       socket=tsd.socket, offload=True, budget=Budget(vram_usable=usable),
-                                      check_memory=False)
+                                      check_memory=False, param_offload=po)
         session = trainstream.unwrap_session(model)
         try:
             assert isinstance(session.act_pager, ActivationProfiler)
@@ -427,6 +430,8 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
                 assert session.act_pager is not None and not isinstance(session.act_pager, ActivationProfiler)
                 assert session.act_pager.paged_bytes > 0 and session.arena is not None
                 assert any("activation_offload=auto after the first step" in e for e in session.events)
+                if po == "auto":
+                    assert session.pager.paged == {0, 1, 2, 3}
         finally:
             trainstream.unwrap(model)
     (l0, p0), (l1, p1) = out[1 << 40], out[1 << 20]
