@@ -232,7 +232,8 @@ class Session:
             self.handle.ready_on_stream(stream.cuda_stream, b, first, final)
 
     def sync_master(self, ps: ParamSlots) -> None:
-        ps.master.view(ps.param.shape).copy_(ps.param.detach())
+        # A paged parameter's values are its parameter slot (it is an empty tensor between uses).
+        ps.master.view(ps.shape).copy_(ps.param_slot.view(ps.shape) if ps.paged else ps.param.detach())
         ps.version = ps.param._version
 
     def restore_dtypes(self, per_bucket: dict[int, BucketState]) -> None:

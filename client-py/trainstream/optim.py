@@ -70,8 +70,8 @@ class TsdAdamW(torch.optim.Optimizer):
         s.step_times.append(time.perf_counter() - t0)
         if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
             decide_activation_offload(s)
-        if s.offload == "auto" and s.steps == 2:
-            maybe_switch_to_stock(self)
+        if s.offload == "auto" and s.steps >= 2:
+            maybe_switch_to_stock(self)  # decides once: offload becomes True, or step() goes to stock AdamW
         return loss
 
     @property
@@ -153,12 +153,8 @@ class TsdAdamW(torch.optim.Optimizer):
             ps = s.by_param.get(id(p))
             if ps is None:
                 continue  # frozen: not in the daemon
-            if ps.paged:
-                raise ValueError(f"parameter {i} is in a paged block (param_offload=): bring its block back with "
-                                 f"unwrap_session(model).pager.unpage(BLOCK) before load_state_dict(), or load the "
-                                 f"state before wrap(); nothing was changed")
             st = saved_state.get(i)
-            n, b = p.numel(), ps.bucket
+            n, b = ps.shape.numel(), ps.bucket
             if st is not None:
                 bad = [k for k in ("exp_avg", "exp_avg_sq") if k not in st or st[k].numel() != n]
                 if bad or "step" not in st:
@@ -166,7 +162,8 @@ class TsdAdamW(torch.optim.Optimizer):
                                      f"{bad or ['step']} missing or of another size")
             step = 0 if st is None else st["step"]
             step = int(step.item() if torch.is_tensor(step) else step)
-            entries[e(b, "master")] = (torch.float32, (n,), lambda p=p, st=st: _master_for(p, st))
+            work = _working_copy(ps)
+            entries[e(b, "master")] = (torch.float32, (n,), lambda work=work, st=st: _master_for(work, st))
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
@@ -278,10 +275,16 @@ def _moment(st: Optional[dict[str, Any]], part: str, n: int, dtype: torch.dtype)
     return st[part].detach().reshape(-1).to("cpu", dtype).contiguous()
 
 
+def _working_copy(ps: ParamSlots) -> torch.Tensor:
+    """The parameter's values as the model uses them: a paged parameter's are its parameter slot
+    (tsd memory; the parameter is an empty tensor between uses)."""
+    return ps.param_slot.view(ps.shape) if ps.paged else ps.param.detach()
+
+
 def _master_rounds_to_param(ps: ParamSlots) -> bool:
     """Whether the bucket's fp32 master (tsd memory, mapped) rounds to its parameter, compared in
     chunks of at most planner.STREAM_BUFFER bytes of host memory."""
-    p = ps.param.detach().reshape(-1)
+    p = _working_copy(ps).reshape(-1)
     master = ps.master
     chunk = max(1, planner.STREAM_BUFFER // 8)
     for i in range(0, p.numel(), chunk):
@@ -295,13 +298,16 @@ def decide_activation_offload(session: Session) -> None:
     each block saved (the profiler's), pages the activations of the blocks needed to fit the
     usable VRAM, within what tsd can still lend the job (planner.activations_to_page), or none;
     the profiler goes either way. The peak is torch's since the process started or the caller's
-    last torch.cuda.reset_peak_memory_stats()."""
+    last torch.cuda.reset_peak_memory_stats(), or, with param_offload="auto", the first step's as
+    the block planner measured it (it resets torch's peak at wrap() and after each step it refines)."""
     prof = session.act_pager
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
     session.act_pager = None
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
+    if session.pager is not None:  # the block planner read the step's peak and reset torch's before this
+        peak = max(peak, session.pager.highest_peak)
     room = None
     if session.cuda and session.client is not None:
         try:
@@ -328,6 +334,8 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
     Returns (fits, explanation)."""
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
+    if session.pager is not None:  # the block planner resets torch's peak after each of its first steps
+        peak = max(peak, session.pager.highest_peak)
     extra = planner.stock_adamw_extra_bytes(
         (ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize) for ps in session.params)
     return planner.stock_adamw_fits(peak, extra, budget.vram_usable)
@@ -335,10 +343,28 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
 
 def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     """offload="auto", after the second step: moves the state out of tsd into
-    torch.optim.AdamW and releases the job when stock AdamW fits (see stock_adamw_fits)."""
+    torch.optim.AdamW and releases the job when stock AdamW fits (see stock_adamw_fits).
+
+    With param_offload="auto" the decision waits until the block planner's plan settled: settled
+    with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
+    settled with nothing paged, it is decided as if there were no pager, and a switch releases the
+    pager (no hook, plain parameters on the device). Once decided, `s.offload` is True or the
+    optimizer is stock AdamW, so it is decided once."""
     s = opt._session
+    pager = s.pager
+    if pager is not None:
+        if pager.auto and s.planner is not None and not s.planner.done:
+            if s.steps == 2:
+                s.events.append("offload=auto: decides once the memory plan settled (param_offload='auto')")
+            return
+        if pager.paged or not pager.auto:
+            s.offload = True
+            s.events.append(f"offload=auto: keeps offloading (the weights of {len(pager.paged)} of {len(pager.blocks)} "
+                            f"blocks are paged from tsd's memory, their parameter slots)")
+            return
     fits, why = stock_adamw_fits(s)
     if not fits:
+        s.offload = True
         s.events.append(f"offload=auto: keeps offloading ({why})")
         return
     per_bucket = s.read_state()
@@ -346,7 +372,10 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     fused = bool(s.cuda)
     for g in opt.param_groups:
         g.update(fused=fused, foreach=False)
-    s.release(keep_pager=True)  # the fit check measured the peak with the activations paged
+    # The fit check measured the peak with the activations paged: their pager stays. The weight
+    # pager (param_offload="auto", nothing paged) goes, with its hooks and its planner.
+    s.release(keep_pager=True)
+    s.planner = None
     inner = torch.optim.AdamW(opt.param_groups, fused=fused, foreach=False)
     for b, (master, m, v, step) in per_bucket.items():
         p = s.params[b].param
@@ -358,4 +387,5 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     opt._inner = inner
     opt.state = inner.state
     s.events.append(f"offload=auto: switched to stock {'fused ' if s.cuda else ''}AdamW on {s.device} ({why}); "
-                    f"the job's memory in tsd was released")
+                    f"the job's memory in tsd was released"
+                    f"{'; the weight pager (nothing paged) was released' if pager is not None else ''}")

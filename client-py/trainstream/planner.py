@@ -245,14 +245,21 @@ class Plan:
 def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor, int]], device: torch.device,
                  optimizer: Mapping[str, OptimizerLayout], *, accumulate: bool = False, quantize: Optional[str] = None,
                  quant_block_size: int = 64, prefer: str = "exact", budget: Optional[Budget] = None,
-                 paged: Collection[int] = frozenset(), paged_inflight: int = 0) -> Demand:
+                 paged: Collection[int] = frozenset(), paged_inflight: int = 0,
+                 paged_blocks: Sequence[Collection[int]] = (), may_page: bool = False) -> Demand:
     """The `Demand` of wrapping `model` for `device`. `trainable`: each trained parameter with the
     bytes per element of its working copy (param_dtype=); every other parameter (and buffer) of
     the model is frozen and counted in its dtype, or at its quantized size when it is quantized
     already or `quantize` ("int8", "nf4", or "auto", decided as wrap() decides it from
     `budget.vram_usable`) will quantize it. `paged`: the
     ids (`id(p)`) of the parameters of paged blocks, which stay in tsd memory instead of VRAM (the
-    weight pager's plan); `paged_inflight`: the VRAM its blocks in flight take."""
+    weight pager's plan); `paged_inflight`: the VRAM its blocks in flight take. `paged_blocks`:
+    the same ids block by block; the two largest blocks, counted as above (working dtype,
+    quantized size), are added to `paged_inflight` (two blocks on the device at once at the least).
+    `may_page` (param_offload="auto"): `paged` are the blocks the planner may page, not a plan;
+    they leave the VRAM checks (the planner pages what does not fit), and tsd's region counts only
+    the frozen share of what must be paged for the rest to fit in `budget.vram_usable` (on a CPU
+    device, or without a measured VRAM, nothing is paged)."""
     from .quant.auto import choose, weight_bytes  # quant imports this module
     from .quant.formats import absmax_count
     from .quant.model import quantizable_linears
@@ -269,6 +276,10 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
         unique.setdefault(id(t), t)  # each tensor once (tied weights)
     to_move = on_device = frozen = paged_bytes = paged_region = largest = 0
     cpu_regrowth = 0
+    usable = budget.vram_usable if budget is not None and device.type == "cuda" else None
+    if may_page and usable is None:
+        paged, paged_blocks = frozenset(), ()  # "auto" pages nothing without VRAM to plan for
+    sizes: dict[int, int] = {}
     for p in unique.values():
         n, where = p.numel(), p.device
         q = quantized_of(p)
@@ -283,6 +294,7 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
             nbytes = (n if kind == "int8" else (n + 1) // 2) + 4 * absmax_count(n, quant_block_size)
         else:
             nbytes = n * p.element_size()
+        sizes[id(p)] = nbytes
         if id(p) in paged:
             paged_bytes += nbytes
             if id(p) not in work:
@@ -294,6 +306,13 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
             on_device += nbytes
         else:
             to_move += nbytes
+    in_flight = sorted(sum(sizes.get(i, 0) for i in set(block)) for block in paged_blocks)
+    paged_inflight = int(paged_inflight) + sum(in_flight[-2:])
+    if may_page and paged_bytes:
+        # What must leave the VRAM for the rest to fit; its frozen share is what tsd must hold.
+        resident = to_move + on_device + largest + paged_inflight
+        must = min(paged_bytes, max(0, resident + paged_bytes - (usable or 0)))
+        paged_region = -(-paged_region * must // paged_bytes)
     host: list[tuple[str, int]] = [("streaming buffer (unwrap(), the optimizer's save and restore)", STREAM_BUFFER)]
     if device.type == "cpu":
         host.append(("the largest gradient", largest))

@@ -172,6 +172,8 @@ def check_options(opts: dict[str, Any]) -> None:
         raise ValueError("keep_for= and resume= need a job name of your own (job='my-run'): the default name carries the "
                          "process id, so a restarted trainer could never find its job again")
     if opts["resume"]:
+        if opts["param_offload"] == "auto":
+            opts["param_offload"] = False  # the default: a resumed run pages no weights (not supported yet)
         if opts["param_offload"] not in (False, None):
             raise ValueError("resume=True does not support param_offload= yet; resume without weight paging")
         opts["check_memory"] = False  # the optimizer's state is in tsd already, charged to the job

@@ -40,6 +40,7 @@ from .blockplan import MemoryPlanner, fraction_paged
 from .planner import Budget, Plan
 from .progress import Progress, track
 from .quant.auto import apply_wrap_quantize, check_wrap_options
+from .quant.weight import quantized_of
 from .units import DTYPE_BYTES, block_ranges, MOMENT_DTYPES, TSD_DTYPES, format_bytes, parse_bytes, tsd_dtype
 
 __all__ = ["wrap", "unwrap", "unwrap_session", "plan_wrap"]
@@ -49,7 +50,7 @@ _jobs = itertools.count()
 # wrap()'s options and their defaults (TrainStream's names, then tsd's own).
 OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
-    "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
+    "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False}
 
@@ -157,6 +158,7 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     name, blocks = found
     option = prep.opts["param_offload"]
     pager = WeightPager(model, blocks, session, trained={id(p) for p, _, _ in prep.buckets}, name=name, work=prep.work)
+    pager.auto = option == "auto"
     depth = prep.opts["prefetch_depth"]
     pager.depth = depth if depth is not None else choose_depth(pager.block_bytes,
                                                                budget.vram_usable if session.cuda else None)
@@ -168,7 +170,7 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
         session.events.append(f"param_offload='auto': pages nothing on {session.device} (no VRAM to plan for)")
         return []
     used = torch.cuda.memory_allocated(session.device)
-    on_device = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+    on_device = sum(_device_bytes(t) for t in itertools.chain(model.parameters(), model.buffers())
                     if t.device == session.device)
     fixed = max(0, used - on_device) + pager.outside_bytes()
     session.planner = MemoryPlanner(budget, pager.block_bytes, fixed_vram=fixed,
@@ -179,14 +181,21 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     return first
 
 
+def _device_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor takes where it is: a quantized parameter's codes and scales."""
+    q = quantized_of(t)
+    return q.nbytes if q is not None else t.numel() * t.element_size()
+
+
 def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int]) -> None:
     """Pages the first blocks (trained weights into their parameter slots, frozen ones into a
-    region of their own) and keeps offloading on (paged weights need tsd)."""
+    region of their own). An explicit choice keeps offloading on (paged weights need tsd); with
+    "auto", offload="auto" decides once the plan settled (optim.maybe_switch_to_stock)."""
     pager = session.pager
     assert pager is not None
     for i in first:
         pager.page(i)
-    if session.offload == "auto":
+    if session.offload == "auto" and not pager.auto:
         session.offload = True  # the switch to stock AdamW would take the paged weights' slots away
     session.events.append(
         f"param_offload={opts['param_offload']!r}: the weights of blocks {block_ranges(sorted(pager.paged)) or 'none'} of "
@@ -194,7 +203,15 @@ def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int
         f"{format_bytes(pager.trained_paged_bytes)} trained (their parameter slots), "
         f"{format_bytes(pager.frozen_bytes)} frozen (a region of their own); prefetch depth {pager.depth}, "
         f"{format_bytes(pager.h2d_bytes_per_step)} H2D per step"
-        f"{'; offload=auto keeps offloading' if opts['offload'] == 'auto' else ''}")
+        f"{_offload_note(opts, pager.auto)}")
+
+
+def _offload_note(opts: dict[str, Any], auto: bool) -> str:
+    if opts["offload"] != "auto":
+        return ""
+    if not auto:
+        return "; offload=auto keeps offloading"
+    return "; offload=auto decides once the plan settled (stock AdamW only if it settles with nothing paged)"
 
 
 def _bucket_bytes(bucket: tuple[torch.nn.Parameter, int, int]) -> int:
@@ -262,19 +279,18 @@ def _job_name(opts: dict[str, Any]) -> str:
     return opts["job"] or f"trainstream-{socket.gethostname()}-{os.getpid()}-{next(_jobs)}"
 
 
-def _pageable(prep: _Prepared) -> tuple[set[int], int]:
+def _pageable(prep: _Prepared) -> list[set[int]]:
     """For the memory check: the ids of the parameters param_offload= may keep in tsd memory
-    instead of VRAM (an explicit choice's blocks; with "auto", every block, since the planner may
-    page any of them) and the VRAM of the two largest of those blocks in flight."""
+    instead of VRAM, block by block (an explicit choice's blocks; with "auto", every block, since
+    the planner may page any of them). planner.model_demand sizes them (working dtype, quantized
+    size)."""
     found = weight_blocks(prep.model, prep.opts["param_offload"])
     if found is None:
-        return set(), 0
+        return []
     _, blocks = found
     chosen = _explicit_paged(prep.opts["param_offload"], len(blocks))
     indices = range(len(blocks)) if chosen is None else chosen
-    ids = {id(p) for i in indices for p in blocks[i].parameters()}
-    sizes = sorted(sum(p.numel() * p.element_size() for p in blocks[i].parameters()) for i in indices)
-    return ids, sum(sizes[-2:])
+    return [{id(p) for p in blocks[i].parameters()} for i in indices]
 
 
 def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[Budget]) -> Plan:
@@ -287,11 +303,12 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
         measured = measured.merged(planner.measure_device(prep.device))
     measured = measured.merged(planner.measure_host())
     layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
-    paged, inflight = _pageable(prep)
+    blocks = _pageable(prep)
     demand = planner.model_demand(
         prep.model, [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets, prep.dtypes)], prep.device, layouts,
         accumulate=prep.accumulate, quantize=prep.opts["quantize"], quant_block_size=int(prep.opts["quant_block_size"]),
-        prefer=prep.opts["prefer"], budget=measured, paged=paged, paged_inflight=inflight)
+        prefer=prep.opts["prefer"], budget=measured, paged=set().union(*blocks), paged_blocks=blocks,
+        may_page=prep.opts["param_offload"] == "auto")
     return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
 
 
@@ -329,7 +346,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     socket=, seed=, param_dtype= (None, or torch.bfloat16 / torch.float16: the model's trainable
     parameters become working copies in that dtype on the device while tsd keeps their fp32
     masters; unwrap() gives them back in their own dtype with the masters' values),
-    param_offload=False | "auto" | True | fraction | [block indices] (weight paging), prefetch_depth=None
+    param_offload="auto" (weight paging: the block planner pages blocks of the repeated stack only when
+    the weights do not fit the VRAM; nothing on the CPU; offload="auto" decides once its plan settled)
+    | False | True | fraction | [block indices], prefetch_depth=None
     (paged blocks copied ahead of the one in use: None chooses 1 to 3 from the VRAM) | int.
     overlap_forward=False (True: step() returns once the updates are handed to tsd; each module's
     forward waits for just its own parameters' updates, which tsd runs in forward order; the

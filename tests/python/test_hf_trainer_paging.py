@@ -15,6 +15,7 @@ from transformers import Trainer  # noqa: E402
 import trainstream  # noqa: E402
 from test_hf_trainer import TokenDataset, load, losses, max_diff, targs  # noqa: E402
 from trainstream.integrations.huggingface import TrainStreamTrainer  # noqa: E402
+from trainstream.integrations.trainer import wrap_places_model  # noqa: E402
 
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 
@@ -92,14 +93,29 @@ def test_a_cpu_model_with_paging_is_not_moved_and_trains_as_unpaged(tsd, tmp_pat
     assert max_diff(plain_model, paged_model) == 0.0
 
 
-def test_without_paging_the_trainer_places_the_model_as_stock(tsd, tmp_path, llama):
-    """param_offload off (the default): Trainer moves the model as it always does."""
+@pytest.mark.parametrize("options", [{}, {"param_offload": False}])
+def test_without_paging_the_trainer_places_the_model_as_stock(tsd, tmp_path, llama, options):
+    """param_offload at its default ("auto") on a model that fits, or off: Trainer moves the
+    model as it always does."""
     model = load(llama)
     moves = Moves(model)
     trainer = TrainStreamTrainer(model=model, args=targs(tmp_path, max_steps=1), train_dataset=TokenDataset(),
-                                 trainstream={"socket": tsd.socket})
+                                 trainstream={"socket": tsd.socket, **options})
     assert moves.calls and moves.calls[0][0] == "to"
     assert trainer.accelerator.device_placement is True
+
+
+def test_wrap_places_the_model_for_explicit_paging_or_weights_too_big_for_the_gpu(llama):
+    """Who places the model: wrap() for an explicit param_offload choice; with "auto" only when
+    the weights not on the GPU would not fit there whole (a 2 TB model on the meta device: on a
+    machine with a GPU), else Trainer, as stock."""
+    model = load(llama)
+    assert not wrap_places_model(False, model) and not wrap_places_model(None, model)
+    assert wrap_places_model(True, model) and wrap_places_model(0.5, model) and wrap_places_model([0, 2], model)
+    assert not wrap_places_model("auto", model)  # 0.4 MB: fits any GPU (and without one there is none to fill)
+    with torch.device("meta"):
+        huge = torch.nn.ModuleList(torch.nn.Linear(1 << 16, 1 << 16) for _ in range(128))  # 2.2 TB of fp32
+    assert wrap_places_model("auto", huge) is torch.cuda.is_available()
 
 
 @NO_CUDA

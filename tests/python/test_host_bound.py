@@ -231,3 +231,84 @@ def test_streaming_save_and_restore_resume_exactly(tsd, tmp_path, param_dtype):
         trainstream.unwrap(fresh)
     with pytest.raises(trainstream.TsdError, match="unwrapped"):
         opt2.save_state(0)
+
+
+SCALED_7B = PEAK + textwrap.dedent(r"""
+    from trainstream.planner import Budget, RAM_HEADROOM
+    socket = sys.argv[1]
+
+    class Decoder(nn.Module):
+        # A decoder-shaped stack (the 7B run's shape, scaled down): blocks of two linears.
+        def __init__(self, d=2048, n=6):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)) for _ in range(n))
+        def forward(self, x):
+            for blk in self.layers:
+                x = x + blk(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Decoder()
+    numel = sum(p.numel() for p in model.parameters())
+    kw = dict(device="cpu", socket=socket, param_dtype=torch.bfloat16, moment_dtype="bfloat16", max_grad_norm=1.0,
+              activation_offload=False, job="scaled-7b")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    out = {"numel": numel}
+    plan = trainstream.plan_wrap(model, opt, **kw)
+    out["host_bytes"] = plan.host_bytes
+    out["parts"] = dict(plan.demand.host_parts)
+    # With less RAM than the run needs, wrap() refuses before allocating anything (the 7B run was
+    # killed by the OOM killer at its end instead).
+    short = Budget(ram_available=int(plan.host_bytes / RAM_HEADROOM) - (1 << 20))
+    try:
+        trainstream.wrap(model, opt, budget=short, **kw)
+        out["refused"] = None
+    except trainstream.MemoryCheckFailed as e:
+        out["refused"] = str(e)
+    with trainstream.connect(socket=socket) as c:
+        out["jobs_after_refusal"] = [j.name for j in c.jobs()]
+    x = torch.randn(4, 2048, dtype=torch.bfloat16)
+    with Peak() as m:  # wrap, train, unwrap: the whole run after the model exists
+        model, opt = trainstream.wrap(model, opt, **kw)
+        with trainstream.connect(socket=socket) as c:
+            tsd_bytes = [j.used_bytes for j in c.jobs() if j.name == "scaled-7b"][0]
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        trainstream.unwrap(model)
+    out["anon_growth"] = m.growth
+    out["tsd_bytes"] = tsd_bytes
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    with trainstream.connect(socket=socket) as c:
+        out["jobs_after_unwrap"] = [j.name for j in c.jobs()]
+    print(json.dumps(out))
+""")
+
+
+def test_scaled_down_7b_run_stays_within_the_host_memory_check_memory_computed(big_tsd):
+    """The issue's Qwen2.5-7B run (bf16 working weights and moments, clipping) was killed by the
+    kernel's OOM killer at its end, while unwrap() handed the model back, because nothing counted
+    the host memory the client itself needs. Scaled down (25M parameters, in a subprocess on the
+    CPU): with less RAM than the plan's host bytes, wrap() refuses before allocating anything and
+    names the host RAM; with enough, the whole run (wrap, three steps, unwrap() giving fp32
+    parameters back) peaks within what check_memory computed: the trainer's anonymous memory
+    growth plus tsd's regions for the job stay under `plan.host_bytes` (tsd's regions plus the
+    client's own parts: the streaming buffer, the largest gradient, the fp32 parameters given
+    back), with a small allowance for the activations, which only the first step can show."""
+    p = subprocess.run([sys.executable, "-c", SCALED_7B, big_tsd.socket], capture_output=True, text=True,
+                       timeout=600, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print({k: (f"{v / MiB:.1f} MiB" if type(v) is int and k != "numel" else v) for k, v in r.items()})
+    assert r["refused"] is not None and "host RAM" in r["refused"], r["refused"]
+    assert "the parameters given back in their own dtype at unwrap()" in r["refused"]
+    assert "scaled-7b" not in r["jobs_after_refusal"] and "scaled-7b" not in r["jobs_after_unwrap"]
+    assert r["parts"]["the parameters given back in their own dtype at unwrap()"] == r["numel"] * 2
+    peak = r["anon_growth"] + r["tsd_bytes"]
+    allowance = 16 * MiB  # the activations of a 4 x 2048 batch and the allocator's slack
+    assert peak <= r["host_bytes"] + allowance, \
+        f"the run peaked at {peak / MiB:.0f} MiB of host memory; check_memory computed {r['host_bytes'] / MiB:.0f} MiB"
+    # A full host copy of the model at unwrap() (the old behaviour) would not fit in that bound.
+    assert r["host_bytes"] + allowance - peak < r["numel"] * 4
+    assert r["dtypes"] == ["torch.float32"]

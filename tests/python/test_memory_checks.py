@@ -173,6 +173,96 @@ def test_model_demand_counts_every_weight_where_it_will_live():
     assert pre.weights_to_move == q.weights_to_move + 4000 and pre.frozen_weights == 0
 
 
+def lora_tower(n=4, d=64, quantize=None):
+    """Tower with its block linears frozen (a LoRA-like base), optionally quantized already."""
+    model = Tower(n, d)
+    for blk in model.layers:
+        blk[0].weight.requires_grad_(False)
+        blk[2].weight.requires_grad_(False)
+    if quantize:
+        trainstream.quantize_model(model, quantize, 64, frozen_only=True)
+    return model
+
+
+def test_pageable_blocks_are_sized_as_they_live_quantized_and_in_working_dtype(tsd):
+    """The VRAM of paged blocks in flight (the two largest pageable blocks) counts a quantized
+    weight at its codes and scales (not its full-precision placeholder) and a trained one in its
+    working dtype, as the pager sizes them; plan_wrap() gets the same."""
+    model = lora_tower(quantize="int8")
+    trainable = [(p, 2) for p in model.parameters() if p.requires_grad]  # param_dtype=bf16
+    blocks = [{id(p) for p in blk.parameters()} for blk in model.layers]
+    qs = [trainstream.quant.quantized_of(p) for p in model.layers[0].parameters()]
+    block = (sum(q.nbytes for q in qs if q is not None)
+             + sum(p.numel() * 2 for p in model.layers[0].parameters() if p.requires_grad))
+    full = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    assert block < full / 2  # int8 codes and absmax are about a quarter of the fp32 placeholder
+    d = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, paged=set().union(*blocks),
+                             paged_blocks=blocks)
+    assert d.paged_inflight == 2 * block
+    assert d.weights_paged == 4 * block and d.paged_region_bytes == 4 * (block - sum(
+        p.numel() * 2 for p in model.layers[0].parameters() if p.requires_grad))
+    # Through wrap()'s plan (param_offload=[1, 2] on the CPU: the same sizes, two blocks in flight).
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    plan = trainstream.plan_wrap(model, opt, device="cpu", socket=tsd.socket, param_offload=[1, 2],
+                                 param_dtype=torch.bfloat16)
+    assert plan.demand.paged_inflight == 2 * block
+    assert plan.demand.weights_paged == 2 * block
+    # The pager's own sizes agree (what the block planner plans with).
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, param_offload=[1, 2],
+                                  param_dtype=torch.bfloat16, offload=True)
+    try:
+        assert trainstream.unwrap_session(model).pager.block_bytes == [block] * 4
+    finally:
+        trainstream.unwrap(model)
+
+
+def test_auto_paging_counts_only_the_frozen_weights_it_must_page():
+    """param_offload="auto" (the default) may page any block, so the blocks leave the VRAM check;
+    but tsd must hold only the frozen share of what cannot stay in the usable VRAM: nothing when
+    the model fits (or on a CPU device, where "auto" pages nothing), the frozen share of the
+    excess otherwise."""
+    model = lora_tower()
+    trainable = [(p, 4) for p in model.parameters() if p.requires_grad]
+    blocks = [{id(p) for p in blk.parameters()} for blk in model.layers]
+    every = set().union(*blocks)
+    explicit = planner.model_demand(model, trainable, torch.device("cuda", 0), OPT, paged=every, paged_blocks=blocks)
+    frozen = explicit.paged_region_bytes
+    assert frozen == sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    outside = explicit.vram_resident  # the embed, the largest gradient, two blocks in flight
+
+    def auto(usable, device=torch.device("cuda", 0)):
+        return planner.model_demand(model, trainable, device, OPT, paged=every, paged_blocks=blocks, may_page=True,
+                                    budget=Budget(vram_usable=usable))
+
+    roomy = auto(GiB)
+    assert roomy.paged_region_bytes == 0 and roomy.vram_resident == outside
+    assert roomy.tsd_bytes("float32") == OPT["float32"].state_bytes
+    half = explicit.weights_paged // 2
+    tight = auto(outside + half)  # half of the blocks' weights must leave the VRAM
+    assert tight.paged_region_bytes == -(-frozen * (explicit.weights_paged - half) // explicit.weights_paged)
+    assert 0 < tight.paged_region_bytes < frozen
+    assert auto(outside // 2).paged_region_bytes == frozen  # every block paged
+    cpu = auto(None, torch.device("cpu"))
+    assert cpu.weights_paged == 0 and cpu.paged_region_bytes == 0 and cpu.paged_inflight == 0
+
+
+def test_the_default_does_not_charge_a_frozen_base_that_stays_resident_to_tsd(tsd):
+    """A frozen base larger than the quota's room beside the optimizer: with the default
+    (param_offload="auto") on a CPU device nothing is paged, so wrap()'s check passes; paging it
+    explicitly is refused, naming the paged frozen weights."""
+    model = lora_tower(n=4, d=128)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    need = trainstream.plan_wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                                 moment_dtype="float32").state_bytes
+    quota = need + (64 << 10)
+    plan = trainstream.plan_wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                                 moment_dtype="float32", quota=quota)
+    assert plan.demand.paged_region_bytes == 0 and plan.state_bytes == need
+    with pytest.raises(trainstream.MemoryCheckFailed, match="paged frozen weights"):
+        trainstream.plan_wrap(model, torch.optim.AdamW(trainable), device="cpu", socket=tsd.socket,
+                              moment_dtype="float32", quota=quota, param_offload=True)
+
+
 def test_activation_decision_from_the_first_steps_peak():
     blocks = [100 * MiB] * 8
     assert planner.activations_to_page(5 * GiB, None, blocks)[0] == []  # CPU: no VRAM to save
@@ -308,10 +398,13 @@ def test_cuda_wrap_counts_the_per_process_memory_fraction(tsd):
 
 
 @cuda
-def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request):
+@pytest.mark.parametrize("po", [False, "auto"])
+def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request, po):
     """Under a usable VRAM below the first step's peak, "auto" pages the first blocks'
     activations from the second step on, and the run equals an unpaged one bit for bit; with
-    room, it pages nothing."""
+    room, it pages nothing. With param_offload="auto" (the default) too: the block planner resets
+    torch's peak after the first step, and the activation decision still sees that step's peak
+    (and the planner pages every block's weights under 1 MiB)."""
     data = batches(4, batch=256, device="cuda")
     out = {}
     # Two runs of this model can agree bit for bit only with deterministic kernels: at batch 256
@@ -324,7 +417,7 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
         model = make_gpt(0, d=256, layers=4, heads=4).cuda()
         model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
                                       socket=tsd.socket, offload=True, budget=Budget(vram_usable=usable),
-                                      check_memory=False)
+                                      check_memory=False, param_offload=po)
         session = trainstream.unwrap_session(model)
         try:
             assert isinstance(session.act_pager, ActivationProfiler)
@@ -337,6 +430,8 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
                 assert session.act_pager is not None and not isinstance(session.act_pager, ActivationProfiler)
                 assert session.act_pager.paged_bytes > 0 and session.arena is not None
                 assert any("activation_offload=auto after the first step" in e for e in session.events)
+                if po == "auto":
+                    assert session.pager.paged == {0, 1, 2, 3}
         finally:
             trainstream.unwrap(model)
     (l0, p0), (l1, p1) = out[1 << 40], out[1 << 20]

@@ -7,6 +7,7 @@ watchdog. Paging never changes results: paged runs are compared with unpaged tsd
 equality (losses and parameters), since both run the same AdamW in tsd."""
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -165,7 +166,7 @@ def test_paged_run_equals_unpaged_bit_for_bit(tsd, offload, accumulation, clip):
 
 def test_optimizer_state_dict_with_paged_blocks_equals_unpaged(tsd):
     """The optimizer's state_dict() has every paged parameter's state in its shape, equal to an
-    unpaged run's; load_state_dict() refuses a paged parameter, naming what to do, and changes nothing."""
+    unpaged run's; load_state_dict() of the unpaged run's state gives the paged run that state."""
     data = batches(3)
 
     def run(po):
@@ -184,13 +185,83 @@ def test_optimizer_state_dict_with_paged_blocks_equals_unpaged(tsd):
             for part in ("exp_avg", "exp_avg_sq", "master"):
                 assert b["state"][k][part].shape == a["state"][k][part].shape, (k, part)
                 assert torch.equal(b["state"][k][part], a["state"][k][part]), (k, part)
-        before = [t.clone() for t in (b["state"][0]["exp_avg"],)]
-        with pytest.raises(ValueError, match="paged block"):
-            opt.load_state_dict(a)
-        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before[0])
+        with torch.no_grad():
+            for st in a["state"].values():
+                st["exp_avg"].mul_(0.5)  # something to load: half the unpaged run's first moments
+        want = {k: v["exp_avg"].clone() for k, v in a["state"].items()}
+        opt.load_state_dict(a)
+        c = opt.state_dict()
+        for k in want:
+            assert torch.equal(c["state"][k]["exp_avg"], want[k]), k
+            assert torch.equal(c["state"][k]["master"], b["state"][k]["master"]), k  # the weights stay
     finally:
         trainstream.unwrap(mine)
         trainstream.unwrap(ref)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "stream"])
+def test_save_and_restore_mid_run_with_paging_equals_an_unpaged_run(tsd, tmp_path, how):
+    """The model's and the optimizer's state saved after 4 of 8 steps of a paged run (blocks 0
+    and 2), the run going on, then restored: in place mid-run (model.load_state_dict() writes the
+    paged blocks' slots) and into a fresh model wrapped with other blocks paged (every block);
+    the optimizer's state by state_dict() / load_state_dict() or streamed (save_state /
+    load_state). Both continuations equal the uninterrupted unpaged run bit for bit."""
+    data = batches(8)
+
+    def start(po, seed=0, state=None):
+        model = make_gpt(seed, layers=4, d=32)
+        if state is not None:
+            model.load_state_dict(state)
+        return trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                socket=tsd.socket, offload=True, param_offload=po, moment_dtype="float32")
+
+    ref, ref_opt = start(False)
+    try:
+        want = train(ref, ref_opt, data, 8)
+        want_params = params_of(ref)
+    finally:
+        trainstream.unwrap(ref)
+
+    path = tmp_path / "opt.safetensors"
+    mine, opt = start([0, 2])
+    s = unwrap_session(mine)
+    try:
+        assert train(mine, opt, data[:4], 4) == want[:4]
+        saved_model = {k: v.clone() for k, v in mine.state_dict().items()}
+        if how == "stream":
+            with open(path, "wb") as f:
+                opt.save_state(f)
+            saved_groups = copy.deepcopy(opt.state_dict()["param_groups"])
+        else:
+            saved_opt = opt.state_dict()  # views of a snapshot: the state at this call
+        assert train(mine, opt, data[4:6], 2) == want[4:6]  # the run goes on
+        # Back to step 4, in place, with blocks 0 and 2 still paged.
+        mine.load_state_dict(saved_model)
+        if how == "stream":
+            with open(path, "rb") as f:
+                opt.load_state(f)
+            for g, saved in zip(opt.param_groups, saved_groups):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        else:
+            opt.load_state_dict(saved_opt)
+        assert s.pager.paged == {0, 2} and storage_bytes(mine.blocks[0]) == 0
+        assert train(mine, opt, data[4:], 4) == want[4:], "the in-place restore changed the run"
+        assert_same(params_of(mine), want_params, f"restored in place ({how})")
+    finally:
+        trainstream.unwrap(mine)
+
+    fresh, opt2 = start(True, seed=7, state=saved_model)  # every block paged, from the saved weights
+    try:
+        if how == "stream":
+            with open(path, "rb") as f:
+                opt2.load_state(f)
+        else:
+            opt2.load_state_dict(saved_opt)
+        assert unwrap_session(fresh).pager.paged == {0, 1, 2, 3}
+        assert train(fresh, opt2, data[4:], 4) == want[4:], "the restore into a fresh paged run changed the run"
+        assert_same(params_of(fresh), want_params, f"restored into a fresh wrap ({how})")
+    finally:
+        trainstream.unwrap(fresh)
 
 
 def test_unwrap_gives_every_weight_back_and_the_model_trains_on(tsd):
@@ -381,10 +452,14 @@ def test_param_offload_options_are_checked(tsd):
         with pytest.raises(ValueError, match="block index"):
             s.pager.unpage(True)
         s.pager.page(1)
-        with pytest.raises(RuntimeError, match=r"block 1 of blocks is paged.*unpage\(1\)"):
-            model.load_state_dict(model.state_dict())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict({k: v + 1 for k, v in before.items()})  # into the paged block's slots too
+        assert s.pager.paged == {1} and storage_bytes(model.blocks[1]) == 0
+        after = model.state_dict()
+        assert all(torch.equal(after[k], before[k] + 1) for k in before)
         s.pager.unpage(1)
-        model.load_state_dict(model.state_dict())  # resident again: loads as usual
+        assert torch.equal(model.blocks[1].fc.weight, before["blocks.1.fc.weight"] + 1)
+        model.load_state_dict(before)  # resident again: loads as usual
     finally:
         trainstream.unwrap(model)
 
@@ -647,6 +722,111 @@ def test_auto_on_a_model_that_fits_pages_nothing_installs_no_hook_and_changes_no
         train(model, opt, data[1:], 1)
     finally:
         trainstream.unwrap(model)
+
+
+ROOMY = Budget(vram_usable=1 << 40)  # a budget in which stock AdamW fits: offload="auto" may switch on the CPU
+
+
+def auto_run(tsd, make, data, between=None, after_wrap=None, offload="auto", **wrap_kw):
+    """Trains make() with offload="auto" (and the given options); returns (losses, parameters,
+    events, session, the optimizer's offloading after each step)."""
+    model = make()
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cpu",
+                                  socket=tsd.socket, offload=offload, budget=ROOMY, **wrap_kw)
+    s = unwrap_session(model)
+    try:
+        if after_wrap:
+            after_wrap(model, s)
+        losses, offloading = [], []
+        for k, t in enumerate(data):
+            loss = loss_of(model, t)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            offloading.append(opt.offloading)
+            if between:
+                between(k, model, s)
+        return losses, {k: v.detach().float().clone() for k, v in model.state_dict().items()}, list(s.events), s, \
+            offloading
+    finally:
+        if unwrap_session(model) is not None:
+            trainstream.unwrap(model)
+
+
+def test_auto_is_the_default_and_offload_auto_switches_as_without_paging(tsd):
+    """param_offload="auto" is wrap()'s default. On a model that fits (here the CPU, nothing to
+    page) its pager pages nothing; offload="auto" then switches to stock AdamW after the second
+    step exactly as with param_offload=False, and the switch releases the pager (no hook, every
+    parameter a plain tensor with its storage). Losses and parameters equal the
+    param_offload=False run's bit for bit, before and after the switch."""
+    assert trainstream.wiring.OPTIONS["param_offload"] == "auto"
+    make = lambda: make_gpt(0, layers=4, d=32)  # noqa: E731
+    data = batches(5)
+    a, pa, ea, sa, offa = auto_run(tsd, make, data, param_offload=False)
+    seen = []
+
+    def look(k, model, s):
+        seen.append((s.pager is not None and s.pager.auto, len(model._forward_pre_hooks),
+                     sum(len(b._forward_pre_hooks) + len(b._forward_hooks) for b in model.blocks),
+                     all(p.untyped_storage().nbytes() > 0 for p in model.parameters())))
+
+    b, pb, eb, sb, offb = auto_run(tsd, make, data, between=look)  # the default
+    assert offa == offb == [True, False, False, False, False]
+    assert seen == [(True, 0, 0, True)] + [(False, 0, 0, True)] * 4, seen
+    assert sb.pager is None and sb.planner is None
+    assert b == a
+    assert_same(pb, pa, "param_offload='auto' (the default) with the switch to stock AdamW")
+    switch = [e for e in eb if "switched to stock" in e]
+    assert len(switch) == 1 and "the weight pager (nothing paged) was released" in switch[0], eb
+    assert [e for e in ea if "switched to stock" in e] == [switch[0].split("; the weight pager")[0]]
+
+
+@pytest.mark.parametrize("settles_paged", [False, True])
+def test_offload_auto_waits_for_the_block_plan_and_follows_it(tsd, settles_paged):
+    """With param_offload="auto" and a planner (set by hand on the CPU, its peaks replaced),
+    offload="auto" decides once the plan settled, not at the second step: settled with nothing
+    paged (the first step paged three blocks, the second moved them all back, two steady steps
+    followed), the decision is made then, as without a pager, and the switch releases the pager;
+    settled with blocks paged, offloading stays (their slots are their only copy). Until the
+    switch the losses equal an offloaded unpaged run's bit for bit."""
+    make = lambda: make_gpt(0, layers=6, d=32)  # noqa: E731
+    data = batches(6)
+    ref, _, _, _, _ = auto_run(tsd, make, data, offload=True, param_offload=False)
+    steps = []
+
+    def setup(model, s):
+        s.planner = MemoryPlanner(Budget(vram_usable=2000), [100] * 6)  # target 1900
+
+        def measure():  # 600 more besides the blocks in the first step; from the second on, 800 unless it settles paged
+            steps.append(1)
+            paged = s.pager.paged
+            base = 1400 if len(steps) == 1 or settles_paged else 800
+            return base + 100 * (6 - len(paged)) + s.planner.buffers(paged)
+        s.pager.measure = measure
+        s.pager.reset_measure = lambda: None
+
+    plans = []
+
+    def between(k, model, s):
+        plans.append(sorted(s.pager.paged) if s.pager is not None else None)
+
+    b, _, events, s, offloading = auto_run(tsd, make, data, after_wrap=setup, between=between)
+    assert any("offload=auto: decides once the memory plan settled" in e for e in events), events
+    if settles_paged:
+        # step 1: 2000 > 1900, three blocks paged (1900); steady twice: settled at step 3, kept.
+        assert plans == [[0, 2, 4]] * 6, plans
+        assert offloading == [True] * 6
+        assert s.offload is True
+        assert any("keeps offloading (the weights of 3 of 6 blocks are paged" in e for e in events), events
+        assert b == ref
+    else:
+        # step 1 pages three, step 2 (1300) moves them back, steps 3 and 4 are steady: settled, switched.
+        assert plans == [[0, 2, 4], [], [], None, None, None], plans
+        assert offloading == [True, True, True, False, False, False]
+        assert any("switched to stock" in e and "weight pager (nothing paged) was released" in e for e in events)
+        assert b[:4] == ref[:4]
+        assert all(math.isfinite(x) for x in b)
 
 
 # --------------------------------------------------------------------------- quantized frozen blocks
@@ -1060,6 +1240,84 @@ def test_cuda_auto_on_a_model_that_fits_pages_nothing_and_is_identical(tsd):
         assert not model._forward_pre_hooks  # the pager's model hook (the activation profiler's are on the blocks)
     finally:
         trainstream.unwrap(model)
+
+
+@needs_cuda
+def test_cuda_default_auto_lets_offload_auto_switch_as_without_paging(tsd):
+    """wrap()'s defaults on a model that fits (param_offload="auto", offload="auto"): the block
+    plan pages nothing and settles after two steps; offload="auto" then switches to stock fused
+    AdamW exactly when param_offload=False does, the switch releases the pager (no hook, plain
+    parameters on the GPU), and losses and parameters equal the param_offload=False run's bit for
+    bit over steps before and after the switch."""
+    make = lambda: make_gpt(0, layers=6, d=128).cuda()  # noqa: E731
+    data = batches(6, batch=8, device="cuda")
+
+    def run(**kw):
+        model = make()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, **kw)
+        s = unwrap_session(model)
+        try:
+            losses, offloading, pagers = [], [], []
+            for t in data:
+                loss = loss_of(model, t)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                offloading.append(opt.offloading)
+                pagers.append(s.pager is not None)
+            hooks = len(model._forward_pre_hooks) + sum(len(b._forward_pre_hooks) + len(b._forward_hooks)
+                                                        for b in model.blocks)
+            plain = all(p.is_cuda and p.untyped_storage().nbytes() > 0 for p in model.parameters())
+            return losses, params_of(model), list(s.events), offloading, pagers, hooks, plain
+        finally:
+            if unwrap_session(model) is not None:
+                trainstream.unwrap(model)
+
+    a, pa, ea, offa, pagers_a, _, _ = run(param_offload=False)
+    b, pb, eb, offb, pagers_b, hooks, plain = run()  # the defaults
+    assert offa == offb == [True, False, False, False, False, False], (offa, offb, eb)
+    assert pagers_a == [False] * 6 and pagers_b == [True] + [False] * 5
+    assert hooks == 0 and plain
+    assert any(e.startswith("memory plan settled: 6 of 6 blocks resident") for e in eb), eb
+    assert any("switched to stock fused AdamW" in e and "weight pager (nothing paged) was released" in e for e in eb)
+    assert b == a
+    assert_same(pb, pa, "CUDA defaults (param_offload='auto') with the switch to stock AdamW")
+
+
+@needs_cuda
+def test_cuda_save_and_restore_mid_run_with_paging_equals_an_unpaged_run(tsd):
+    """On the GPU: the state of a paged run (blocks 1 and 3, bf16 working weights) saved after 3
+    of 6 steps, the run going on, then restored in place (model.load_state_dict() brings the
+    paged blocks' weights to the GPU for the load and writes them into their slots;
+    load_state_dict() of the optimizer): the continuation equals the unpaged run bit for bit."""
+    data = batches(6, batch=8, device="cuda")
+
+    def start(po):
+        model = make_gpt(0, layers=4, d=128).cuda()
+        return trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                socket=tsd.socket, offload=True, param_offload=po, param_dtype=torch.bfloat16)
+
+    ref, ref_opt = start(False)
+    try:
+        want = train(ref, ref_opt, data, 6)
+        want_params = params_of(ref)
+    finally:
+        trainstream.unwrap(ref)
+    mine, opt = start([1, 3])
+    try:
+        assert train(mine, opt, data[:3], 3) == want[:3]
+        saved_model = {k: v.clone() for k, v in mine.state_dict().items()}
+        saved_opt = opt.state_dict()
+        assert train(mine, opt, data[3:5], 2) == want[3:5]
+        mine.load_state_dict(saved_model)
+        opt.load_state_dict(saved_opt)
+        assert unwrap_session(mine).pager.paged == {1, 3} and storage_bytes(mine.blocks[1]) == 0
+        assert train(mine, opt, data[3:], 3) == want[3:]
+        assert_same(params_of(mine), want_params, "CUDA save and restore with paging")
+    finally:
+        trainstream.unwrap(mine)
 
 
 @needs_cuda

@@ -23,18 +23,20 @@ with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, 
   streams it back. A stock Trainer checkpoint (`optimizer.pt`) is loaded too.
 * tsd's events (`Session.events`: the plan, the moment dtype, activation paging, the switch to
   stock AdamW) go into Trainer's logs under the key "trainstream".
-* Weight paging (`trainstream={"param_offload": "auto"}`, or True, a fraction, block indices): a
+* Weight paging (`param_offload`: "auto" by default, or True, a fraction, block indices): a
   model passed on the CPU stays there until training starts, so a model too big for the GPU is
   never moved to it whole: Trainer's `_move_model_to_device` and accelerate's placement of the
   model are skipped, and `wrap()` moves the resident blocks and pages the rest (inputs still go
   to `args.device`). Evaluate or predict after `train()` has started (before it, the model is
-  still where it was passed).
+  still where it was passed). With "auto" that happens only when the weights would not fit the
+  GPU whole (`wrap_places_model`); a model that fits is placed as stock Trainer places it.
 
 The hooks used (`_clip_grad_norm`, `_get_grad_norm`, `_maybe_log_save_evaluate`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) are those of transformers 5.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -46,8 +48,10 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
+from ..blockplan import ACTIVATION_RESERVE
 from ..engine import Session
 from ..optim import TsdAdamW
+from ..planner import measure_device
 from ..wiring import OPTIONS, unwrap_session, wrap
 
 __all__ = ["TrainStreamMixin", "TrainStreamTrainer", "STATE_FILE", "STATE_META_FILE"]
@@ -187,6 +191,28 @@ def _load_state(opt: TsdAdamW, path: str) -> None:
         os.close(fd)
 
 
+def wrap_places_model(param_offload: Any, model: Optional[nn.Module]) -> bool:
+    """Whether wrap(), not Trainer, places the model on the device: always for an explicit
+    param_offload choice (True, a fraction, block indices); for "auto" (the default) only when
+    the weights not on the GPU yet would not fit there whole, in the current GPU's usable VRAM
+    less the block planner's activation reserve, or in its free memory (wrap() then moves the
+    resident blocks and pages the others). Otherwise Trainer places the model as stock Trainer
+    does, and a model that fits trains as without paging."""
+    if param_offload is None or param_offload is False:
+        return False
+    if not (isinstance(param_offload, str) and param_offload == "auto"):
+        return True
+    if model is None or not torch.cuda.is_available():
+        return False
+    away = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers())
+               if t.device.type != "cuda")
+    if not away:
+        return False
+    budget = measure_device(torch.device("cuda", torch.cuda.current_device()))
+    room = min(int((budget.vram_usable or 0) * (1 - ACTIVATION_RESERVE)), budget.vram_free or 0)
+    return away > room
+
+
 def _device_of(model: nn.Module) -> str:
     devices = sorted({str(p.device) for p in model.parameters()})
     return ", ".join(devices) or "no device"
@@ -213,7 +239,7 @@ class TrainStreamMixin(_Base):
             check_optimizer(_inner(optimizers[0]))
         po = options.get("param_offload", OPTIONS["param_offload"])
         # Read by _move_model_to_device, which Trainer.__init__ calls.
-        self._tsd_pages_weights = po is not None and po is not False
+        self._tsd_pages_weights = wrap_places_model(po, kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         check_training_args(self.args)
         if self.optimizer is not None:

@@ -41,7 +41,8 @@ unpaged one does. On `device="cpu"` the copies are plain copies (no memory is sa
 but the streams runs and is tested).
 
 Between uses a paged parameter is an empty tensor (`p.shape == (0,)`, no storage); the model's
-`state_dict()` gives its values from tsd's memory. Move blocks with `page(i)` / `unpage(i)`
+`state_dict()` gives its values from tsd's memory, and its `load_state_dict()` writes them there
+(the block's weights visit the device for the load). Move blocks with `page(i)` / `unpage(i)`
 between steps (not between a forward and its backward).
 """
 from __future__ import annotations
@@ -155,7 +156,8 @@ class _QWeight:
 
 
 class _Block:
-    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks")
+    __slots__ = ("index", "module", "weights", "quants", "paged", "loaded", "event", "waited", "bw_started", "hooks",
+                 "loading")
 
     def __init__(self, index: int, module: nn.Module) -> None:
         self.index, self.module = index, module
@@ -167,6 +169,7 @@ class _Block:
         self.waited: set[int] = set()           # streams that waited for it
         self.bw_started = False
         self.hooks: list[Any] = []
+        self.loading = False                    # model.load_state_dict() is writing its weights
 
     @property
     def nbytes(self) -> int:
@@ -260,6 +263,10 @@ class WeightPager:
         # the CPU: no planning there; a test may set both).
         self.measure: Optional[Callable[[], int]] = None
         self.reset_measure: Optional[Callable[[], None]] = None
+        self.highest_peak = 0           # the largest of those peaks the planner was shown since wrap()
+        # param_offload="auto" made this pager: once its plan settles with nothing paged, offload="auto"
+        # decides as if there were no pager (a switch to stock AdamW closes it; optim.maybe_switch_to_stock).
+        self.auto = False
         if self.cuda:
             dev = self.device
             self.measure = lambda: torch.cuda.max_memory_allocated(dev)
@@ -317,7 +324,12 @@ class WeightPager:
                                                                              for q in b.quants}
         total = 0
         for p in {id(p): p for p in self.model.parameters()}.values():
-            if id(p) not in pageable:
+            q = quantized_of(p)
+            if id(p) in pageable:
+                continue
+            if q is not None:
+                total += q.nbytes  # its codes and scales, not the placeholder's full precision
+            else:
                 total += p.numel() * (self.work.itemsize if (id(p) in self.trained and self.work) else p.element_size())
         total += sum(b.numel() * b.element_size() for b in self.model.buffers())
         return total
@@ -502,6 +514,7 @@ class WeightPager:
         if planner is None or self.measure is None or self.closed:
             return
         peak = self.measure()
+        self.highest_peak = max(self.highest_peak, peak)
         new = planner.observe(peak, self.paged)
         self.session.events.extend(planner.take_events())
         if new is not None:
@@ -652,6 +665,7 @@ class WeightPager:
             self._handles.append(b.module.register_state_dict_pre_hook(self._state_dict_pre_hook(b)))
             self._handles.append(b.module._register_state_dict_hook(self._state_dict_hook(b)))
             self._handles.append(b.module.register_load_state_dict_pre_hook(self._load_hook(b)))
+            self._handles.append(b.module.register_load_state_dict_post_hook(self._loaded_hook(b)))
 
     def reinstall(self) -> None:
         """Registers the hooks again, after hooks installed since (an activation pager's), so the
@@ -772,12 +786,33 @@ class WeightPager:
         return hook
 
     def _load_hook(self, b: _Block) -> Callable[..., None]:
+        """model.load_state_dict() into a paged block: its weights come to the device for the load
+        (between steps), `_loaded_hook` writes the loaded values into their paged copies."""
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
-            names = [w.name for w in b.weights] + [q.name for q in b.quants]
-            if b.paged and any(prefix + n in state_dict for n in names):
-                raise RuntimeError(f"block {b.index} of {self.name} is paged (its weights live in tsd's memory): "
-                                   f"call unwrap_session(model).pager.unpage({b.index}) before load_state_dict(), or "
-                                   f"load the state before trainstream.wrap()")
+            if not b.paged or b.loading:
+                return
+            names = [w.name for w in b.weights]
+            quants = [q.name for q in b.quants if q.paged is not None]
+            if any(prefix + n in state_dict for n in quants):
+                raise RuntimeError(f"block {b.index} of {self.name} is paged with quantized weights (their codes live "
+                                   f"in tsd's memory): call unwrap_session(model).pager.unpage({b.index}) before "
+                                   f"load_state_dict(), or load the state before trainstream.wrap()")
+            if any(prefix + n in state_dict for n in names):
+                self._quiesce()
+                self._drop(b)
+                self._load_now(b, self.device)
+                b.loading = True
+        return hook
+
+    def _loaded_hook(self, b: _Block) -> Callable[..., None]:
+        def hook(module: nn.Module, incompatible: Any) -> None:
+            if not b.loading:
+                return
+            b.loading = False
+            with torch.no_grad():
+                for w in b.weights:
+                    w.source().copy_(w.param.data)  # a trained one's slot: its master follows at its next gradient
+                    w.param.data = self._empty(w)   # (the load bumped the parameter's version, as unpaged)
         return hook
 
     def __repr__(self) -> str:
