@@ -172,7 +172,7 @@ def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room
             vram += cost
         left = total - numel
         host_s = left * host_bytes_per_param(moment_dtype) / host_bandwidth()
-        why = (f"optimizer_gpu_fraction=auto: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) on the GPU, "
+        why = (f"optimizer_gpu_fraction=auto: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) on the device, "
                f"{format_bytes(vram)} of the {format_bytes(room)} of VRAM left after the weights, gradients in flight "
                f"and the activation reserve; tsd's share takes about {host_s * 1e3:.1f} ms of host time per step "
                f"({host_bytes_per_param(moment_dtype)} B/parameter at {host_bandwidth() / 1e9:.1f} GB/s measured)")
@@ -187,7 +187,7 @@ def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room
             vram += vram_cost(n, w)
         kept = f" ({len(skip)} parameters of pageable blocks stay in tsd)" if skip and option != 0.0 else ""
         why = (f"optimizer_gpu_fraction={option}: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) "
-               f"on the GPU, {format_bytes(vram)} of VRAM{kept}")
+               f"on the device, {format_bytes(vram)} of VRAM{kept}")
     return ShareChoice(frozenset(ids), numel, total, vram, option, why)
 
 

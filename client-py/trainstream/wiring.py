@@ -368,6 +368,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     forward waits for just its own parameters' updates, which tsd runs in forward order; the
     results are the same bits, but parameters read directly between step() and the next forward
     are the old ones until optimizer.synchronize()).
+    optimizer_gpu_fraction=0.0 | float in [0, 1] | "auto" (the share of the parameters whose
+    optimizer stays on the device, fp32 masters and moments updated by torch's AdamW; the ones
+    whose gradients finish last first; "auto": as many as fit in the VRAM left; 1 registers
+    nothing in tsd, as offload="auto" switches to; see gpushare.py).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
