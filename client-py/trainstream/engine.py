@@ -435,6 +435,7 @@ class Session:
         self.offloading = False
         for ps in self.params:
             ps.master = ps.grad_slot = ps.param_slot = None
+        self.norm_slot = None
         self.handle = None
         if self.owns_client and self.client is not None:
             try:

@@ -329,6 +329,7 @@ class GpuShare:
     def step(self, optimizer: torch.optim.Optimizer, session: "Session") -> None:
         """The share's update at step(), after tsd's commit: clipped by the global norm tsd
         computed (with `max_grad_norm` and a tsd share), or by its own (everything here)."""
+        session.check_hyper(session.group_hyper(optimizer))  # as tsd's share is checked: a clear error
         max_norm = session.max_grad_norm
         if max_norm > 0:
             if session.offloading and getattr(session, "norm_bucket", None) is not None:

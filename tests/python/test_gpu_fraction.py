@@ -301,3 +301,18 @@ def test_cuda_share_uses_fused_adamw_and_equals_torch(tsd, fraction, accumulatio
     assert max_diff(ref, mine) <= 1e-6
     assert b == pytest.approx(a, rel=1e-5)
     assert all(p.is_cuda for p in mine.parameters())
+
+
+def test_bad_hyperparameters_are_refused_for_the_share_too(tsd):
+    """A scheduler that makes lr negative: refused with the group named, on the share's path
+    (everything on the device) as on tsd's."""
+    model, opt = wrapped(tsd, optimizer_gpu_fraction=1.0)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_of(model, batches(1)[0]).backward()
+        opt.param_groups[1]["lr"] = -1.0
+        with pytest.raises(ValueError, match="param_groups\\[1\\]: lr = -1.0"):
+            opt.step()
+        assert all(torch.equal(x, p) for x, p in zip(before, model.parameters()))
+    finally:
+        trainstream.unwrap(model)
