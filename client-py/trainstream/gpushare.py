@@ -59,8 +59,8 @@ if TYPE_CHECKING:
     from .engine import Session
     from .planner import Budget, Demand
 
-__all__ = ["GpuShare", "ShareChoice", "check_fraction", "choose", "vram_room", "vram_cost", "EMPTY_LAYOUT",
-           "NORM_GROUP", "host_bytes_per_param"]
+__all__ = ["GpuShare", "ShareChoice", "check_fraction", "choose", "install", "vram_room", "vram_cost",
+           "EMPTY_LAYOUT", "NORM_GROUP", "host_bytes_per_param"]
 
 Fraction = Union[str, float]
 
@@ -189,6 +189,23 @@ def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room
         why = (f"optimizer_gpu_fraction={option}: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) "
                f"on the device, {format_bytes(vram)} of VRAM{kept}")
     return ShareChoice(frozenset(ids), numel, total, vram, option, why)
+
+
+def install(session: "Session", gpu: Sequence[tuple[torch.nn.Parameter, int, int]], num_groups: int,
+            work: Optional[torch.dtype], norm_bucket: Optional[int]) -> Optional["GpuShare"]:
+    """wrap(): the share of `gpu` ((parameter, group, index), before param_dtype= casts anything)
+    on `session`, and tsd's norm bucket (`norm_bucket`: its index, last) with its group (lr=0).
+    `session.offloading` says whether tsd holds any of the optimizer."""
+    session.offloading = session.handle is not None
+    if norm_bucket is not None:
+        session.norm_bucket = norm_bucket
+        session.norm_slot = session.handle.grad(norm_bucket)
+        session.handle.set_group(num_groups, **NORM_GROUP)
+    share = GpuShare(session.device, num_groups) if gpu else None
+    for p, gi, index in gpu:
+        share.add(p, gi, index, work)  # type: ignore[union-attr]
+    session.share = share
+    return share
 
 
 class _Entry:

@@ -408,16 +408,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     session.handle = handle
     session.moment_dtype = plan.moment_dtype
     session.state_bytes = handle.state_bytes if handle is not None else 0
-    session.offloading = handle is not None
-    if prep.norm_bucket:  # clipping over both shares: tsd's last bucket carries the GPU share's norm
-        session.norm_bucket = len(prep.buckets)
-        session.norm_slot = handle.grad(session.norm_bucket)
-        handle.set_group(len(prep.groups), **{k: v for k, v in gpushare.NORM_GROUP.items()})
     work = prep.work
-    share = gpushare.GpuShare(device, len(prep.groups)) if prep.gpu else None
-    for p, gi, index in prep.gpu:
-        share.add(p, gi, index, work)  # type: ignore[union-attr]
-    session.share = share
+    share = gpushare.install(session, prep.gpu, len(prep.groups), work,
+                             len(prep.buckets) if prep.norm_bucket else None)
     # Weight paging: the blocks to page are chosen before anything moves to the device.
     first_paged = _plan_weight_paging(session, model, prep, plan.budget)
     paged_params = {id(w.param) for i in first_paged for w in session.pager.blocks[i].weights} if session.pager else set()
