@@ -275,8 +275,9 @@ class GpuShare:
         self.by_param[id(p)] = e
 
     def build(self, param_groups: Sequence[Mapping[str, Any]]) -> None:
-        """Creates torch's AdamW over the masters, one group per wrapped group that has any
-        (after the model moved to its device: fused AdamW needs its tensors there)."""
+        """Creates torch's AdamW over the masters, one group per wrapped group that has any (fused
+        AdamW checks its tensors' device at its first step, by when wrap() moved the model), and
+        keeps the state it had."""
         groups = []
         self._groups = []
         for gi in range(self.num_groups):
