@@ -261,13 +261,13 @@ class TsdAdamW(torch.optim.Optimizer):
                 bar.advance()
 
     def _check_streaming(self, what: str) -> None:
+        self._check()  # unwrapped or ended by tsd: that error first
         if not self.offloading:
             raise RuntimeError(f"{what}: this optimizer's state is all in torch on the device (offload='auto' switched "
                                f"to stock AdamW, or optimizer_gpu_fraction=1); use state_dict() / load_state_dict()")
         if self._session.share is not None:
             raise RuntimeError(f"{what}: the GPU share's state (optimizer_gpu_fraction) is in torch on the device, not "
                                f"in tsd; use state_dict() / load_state_dict()")
-        self._check()
 
     def __repr__(self) -> str:
         share = self._session.share
