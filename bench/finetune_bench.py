@@ -27,7 +27,9 @@ tensor at a time) and handed to wrap() there, as a model bigger than the card wo
 --grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
 fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
 --clip 0 turns it off). --overlap on|off sets the tsd modes' wrap(overlap_forward=...) (on: updates finish
-during the next forward, so the wait moves from step() into the forward; default off). Models come from a config with random weights (no download); `--arch tiny`
+during the next forward, so the wait moves from step() into the forward; default off). --gpu-fraction
+(a number in [0, 1], or auto) sets the tsd modes' wrap(optimizer_gpu_fraction=...): that share of the
+parameters keeps its optimizer on the GPU (default 0: all in tsd). Models come from a config with random weights (no download); `--arch tiny`
 is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, tsd modes only).
 
     python3 bench/finetune_bench.py [--arch qwen1.5b] [--batch 8] [--seq 512] [--steps 6] [--clip 1.0]
@@ -278,7 +280,8 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
                                       offload=option_value(a.offload),
                                       moment_dtype=moment_dtype, param_dtype=param_dtype,
                                       activation_offload=activation_offload, param_offload=param_offload,
-                                      max_grad_norm=a.clip or None, overlap_forward=a.overlap == "on")
+                                      max_grad_norm=a.clip or None, overlap_forward=a.overlap == "on",
+                                      optimizer_gpu_fraction=option_value(a.gpu_fraction))
         session = trainstream.unwrap_session(model)
         clip = None
     else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
@@ -344,7 +347,7 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         paged_blocks=(len(pager.paged) if pager is not None else 0),
         blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
         reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
-        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e][-6:],
+        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt)),
@@ -401,7 +404,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []),
-            *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else [])]
+            *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction]
 
 
 def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
@@ -417,7 +420,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
                  tsd_threads=raw.get("threads"), daemon_args=a.daemon_args, overlap_forward=a.overlap,
                  **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
                  **({"offload": a.offload} if a.offload != "true" else {}),
-                 **({"load_model": True} if a.load_model and mode in ("tsd_lora", "tsd_qlora") else {}))
+                 **({"load_model": True} if a.load_model and mode in ("tsd_lora", "tsd_qlora") else {}),
+                 **({"optimizer_gpu_fraction": a.gpu_fraction} if a.gpu_fraction not in ("0", "0.0") else {}))
     return w
 
 
@@ -472,6 +476,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--clip", type=float, default=1.0, help="max_grad_norm for every mode (default 1.0; 0 turns it off)")
+    ap.add_argument("--gpu-fraction", default="0",
+                    help="tsd modes: wrap(optimizer_gpu_fraction=...): the share of the parameters whose optimizer "
+                         "stays on the GPU, a number in [0, 1] or auto (default 0: all in tsd)")
     ap.add_argument("--overlap", default="off", choices=["on", "off"],
                     help="tsd modes: wrap(overlap_forward=...): updates finish during the next forward (on) or in step() (off)")
     ap.add_argument("--cap-gib", type=float, default=0, help="VRAM cap for every mode (set_per_process_memory_fraction)")

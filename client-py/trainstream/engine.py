@@ -119,6 +119,11 @@ class Session:
         self.waits = UpdateWaits(self.complete_update)
         self.forward_order: list[int] = []  # the buckets in the order the recorded forward used them
         self.deferred_versions: dict[int, int] = {}  # bucket -> its parameter's _version when deferred
+        # optimizer_gpu_fraction: the share updated on the device (gpushare.GpuShare), and with
+        # clipping tsd's extra bucket that carries its gradients' norm into the commit.
+        self.share: Any = None
+        self.norm_bucket: Optional[int] = None
+        self.norm_slot: Any = None
 
     # ---- hyperparameters
     def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
@@ -307,7 +312,7 @@ class Session:
         order = rec.finish()
         bucket_of = {id(ps.param): ps.bucket for ps in self.params}
         modules = wait_modules(self.model, rec.first, owners_of(self.model, bucket_of), order)
-        self.handle.set_order(order)
+        self.handle.set_order(([self.norm_bucket] if self.norm_bucket is not None else []) + order)
         self.forward_order = order
         self.waits.install(self.model, modules)
         self.events.append(f"overlap_forward: {len(order)} of {len(self.params)} buckets finish during the next "
@@ -340,7 +345,8 @@ class Session:
             self.pending.clear()
         changed = None
         if self.max_grad_norm > 0:
-            if self.finaled:
+            carried = self.share is not None and self.share.deliver_norm(self)  # the GPU share's part of the norm
+            if self.finaled or carried:
                 self.write_hyper(optimizer)  # the daemon reads them at the commit
                 h.commit(wait=not deferrable)  # handed over: each bucket is waited for where it is needed
         elif self.hyper is not None and self.group_hyper(optimizer) != self.hyper:
@@ -354,6 +360,8 @@ class Session:
                 self.waits.defer(b)
                 continue
             self._take_update(b)
+        if self.share is not None:
+            self.share.step(optimizer, self)  # on the device, clipped by the global norm
         if self.marks is not None:
             self.marks.record(self.steps + 1, self.finaled | self.skip)
         self.skip.clear()
@@ -428,6 +436,7 @@ class Session:
         self.offloading = False
         for ps in self.params:
             ps.master = ps.grad_slot = ps.param_slot = None
+        self.norm_slot = None
         self.handle = None
         if self.owns_client and self.client is not None:
             try:

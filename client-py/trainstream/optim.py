@@ -2,13 +2,14 @@
 daemon-side AdamW, and the switch of `offload="auto"` to stock AdamW when it fits."""
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import IO, Any, Callable, Optional, Union
 
 import torch
 
-from . import _state, planner
+from . import _state, gpushare, planner
 from ._state_checks import check_state_dict
 from .engine import ParamSlots, Session
 from .errors import TsdError
@@ -25,20 +26,27 @@ class TsdAdamW(torch.optim.Optimizer):
     `param_groups` is live (LR schedulers edit it); `state_dict()` reads the state from the daemon
     in torch.optim.AdamW's layout (plus each parameter's fp32 "master"), as views of a file-backed
     snapshot; `load_state_dict()` writes it back one tensor at a time. `save_state(file)` and
-    `load_state(file)` stream the state between tsd and a file the trainer opened, without a copy
-    in the trainer's memory. After `offload="auto"` switched to stock AdamW, every call goes to
-    that optimizer."""
+    in the trainer's memory. The parameters of the GPU share (`optimizer_gpu_fraction`,
+    gpushare.py) are updated by torch's AdamW on the device, their state in this process (`state`
+    is that AdamW's); after `offload="auto"` switched to stock AdamW, the share holds them all."""
 
     def __init__(self, original: torch.optim.Optimizer, session: Session, moment_dtype: str) -> None:
         self._session = session
-        self._inner: Optional[torch.optim.AdamW] = None
         self.moment_dtype = moment_dtype
         super().__init__(original.param_groups, original.defaults)
+        self._share_state()
 
-    # The offloaded optimizer's own state lives in the daemon; torch's `state` stays empty.
+    def _share_state(self) -> None:
+        """`state` is the GPU share's (torch's AdamW over its masters); tsd's lives in the daemon."""
+        share = self._session.share
+        if share is not None and share.inner is not None:
+            self.state = share.inner.state
+
     @property
     def offloading(self) -> bool:
-        return self._inner is None
+        """Whether tsd updates any of the parameters (False: optimizer_gpu_fraction=1, or after
+        offload="auto" switched to stock AdamW on the device)."""
+        return self._session.offloading
 
     def _check(self):
         s = self._session
@@ -55,32 +63,35 @@ class TsdAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._check()
         s = self._session
-        if self._inner is not None:
-            if s.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], s.max_grad_norm)
-            self._inner.step()
+        if not s.offloading:  # everything in the GPU share: torch's AdamW on the device
+            s.share.step(self, s)
             s.steps += 1
-            return loss
-        t0 = time.perf_counter()
-        try:
-            s.finish_step(self)
-        except TsdError as e:
-            s.fail(e)
-            raise
-        s.step_times.append(time.perf_counter() - t0)
+        else:
+            t0 = time.perf_counter()
+            try:
+                s.finish_step(self)
+            except TsdError as e:
+                s.fail(e)
+                raise
+            s.step_times.append(time.perf_counter() - t0)
         if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
             decide_activation_offload(s)
-        if s.offload == "auto" and s.steps >= 2:
-            maybe_switch_to_stock(self)  # decides once: offload becomes True, or step() goes to stock AdamW
+        if s.offload == "auto" and s.steps >= 2 and s.offloading:
+            maybe_switch_to_stock(self)  # decides once: offload becomes True, or the GPU share takes everything
         return loss
 
     @property
     def last_grad_norm(self) -> Optional[float]:
         """The global norm of the last step's gradients before clipping, as tsd computed it to clip
         them (what torch.nn.utils.clip_grad_norm_ returns). None without max_grad_norm (no norm is
-        computed), before the first step, and after offload="auto" switched to stock AdamW."""
+        computed), and before the first step. With everything on the device (optimizer_gpu_fraction=1,
+        or after offload="auto" switched), torch's clip_grad_norm_ over the GPU share computes it."""
         s = self._session
-        if self._inner is not None or s.max_grad_norm <= 0 or s.steps == 0 or s.handle is None:
+        if s.max_grad_norm <= 0 or s.steps == 0:
+            return None
+        if not s.offloading:
+            return s.share.last_norm if s.share is not None else None
+        if s.handle is None:
             return None
         s.handle.wait_committed()  # overlap_forward: step() returned once the commit was handed over
         return float(s.handle.last_grad_norm)
@@ -88,7 +99,7 @@ class TsdAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Waits until the daemon has applied every delivered update and (overlap_forward) every
         update is copied into the model: call it before changing parameters between steps."""
-        if self._inner is None:
+        if self._session.offloading:
             self._session.idle()
 
     # ---- state
@@ -102,15 +113,24 @@ class TsdAdamW(torch.optim.Optimizer):
         directory), mapped privately: they are not copied onto the trainer's heap, their pages are
         the file's page cache, and they stay valid (the state at this call) after further steps and
         after unwrap(), until the last of them is dropped; writing into one copies just its pages."""
-        if self._inner is not None:
-            return self._inner.state_dict()
         self._check()
-        sd = super().state_dict()
+        shared, self.state = self.state, collections.defaultdict(dict)  # the GPU share's is keyed by its masters
+        try:
+            sd = super().state_dict()  # the param_groups; the state follows
+        finally:
+            self.state = shared
         s = self._session
-        with Progress("state_dict", state_file_bytes(s), "bytes", counted=False):
-            per_bucket = s.read_state()  # the daemon writes the snapshot in one call
+        per_bucket: dict[int, Any] = {}
+        if s.offloading:
+            with Progress("state_dict", state_file_bytes(s), "bytes", counted=False):
+                per_bucket = s.read_state()  # the daemon writes the snapshot in one call
         index = {id(p): i for i, p in enumerate(self._index())}
         state = {}
+        if s.share is not None:  # the GPU share's, torch's own tensors
+            for e in s.share.entries:
+                st = s.share.state_of(e.param)
+                if st is not None:
+                    state[index[id(e.param)]] = st
         for b, (master, m, v, step) in per_bucket.items():
             if step == 0:
                 continue  # torch keeps no state for a parameter never stepped
@@ -132,8 +152,6 @@ class TsdAdamW(torch.optim.Optimizer):
         without state while others have some is refused with a ValueError naming the parameter,
         and nothing changes. `allow_missing=True` loads parameters without state as never
         stepped (torch keeps no state for a parameter that never got a gradient)."""
-        if self._inner is not None:
-            return self._inner.load_state_dict(state_dict)
         self._check()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
@@ -144,13 +162,26 @@ class TsdAdamW(torch.optim.Optimizer):
         params = self._index()
         saved_state = {int(k): v for k, v in state_dict["state"].items()}
         # Sizes from the slots' shapes: a paged parameter is an empty tensor between uses.
-        check_state_dict(saved_state, [(i, s.by_param[id(p)].shape.numel(), s.param_names.get(id(p), f"parameter {i}"))
-                                       for i, p in enumerate(params) if id(p) in s.by_param], allow_missing)
+        share = s.share.by_param if s.share is not None else {}
+        check_state_dict(saved_state, [(i, s.by_param[id(p)].shape.numel() if id(p) in s.by_param else p.numel(),
+                                        s.param_names.get(id(p), f"parameter {i}"))
+                                       for i, p in enumerate(params) if id(p) in s.by_param or id(p) in share],
+                         allow_missing)
         mdt = torch.float32 if self.moment_dtype == "float32" else torch.bfloat16
         e = _state.entry
         entries: dict[str, Any] = {}
+        on_device: list[tuple[torch.Tensor, Optional[dict[str, Any]]]] = []  # the GPU share's
         for i, p in enumerate(params):
-            ps = s.by_param.get(id(p))
+            if id(p) in share:
+                st = saved_state.get(i)
+                if st is not None and any(k not in st or st[k].numel() != p.numel() for k in ("exp_avg", "exp_avg_sq")):
+                    raise ValueError(f"the state_dict's state[{i}] does not match parameter {i} ({p.numel()} elements): "
+                                     f"exp_avg or exp_avg_sq missing or of another size")
+                if st is not None and "step" not in st:
+                    raise ValueError(f"the state_dict's state[{i}] has no step")
+                on_device.append((p, st))
+                continue
+            ps = s.by_param.get(id(p)) if s.offloading else None
             if ps is None:
                 continue  # frozen: not in the daemon
             st = saved_state.get(i)
@@ -167,16 +198,25 @@ class TsdAdamW(torch.optim.Optimizer):
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
-        meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
-                "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
-        s.idle()
-        fd = _state.new_file()
-        try:
-            with Progress("load_state_dict", state_file_bytes(s), "bytes", poll=lambda: os.fstat(fd).st_size):
-                _state.write(fd, entries, meta)  # the file is sized first: the line shows the whole at once
-                s.handle.load_state(fd)
-        finally:
-            os.close(fd)
+        if s.norm_bucket is not None:  # the norm bucket (gpushare.py): nothing to keep
+            nb = s.norm_bucket
+            entries[e(nb, "master")] = torch.zeros(1, dtype=torch.float32)
+            entries[e(nb, "exp_avg")] = torch.zeros(1, dtype=mdt)
+            entries[e(nb, "exp_avg_sq")] = torch.zeros(1, dtype=mdt)
+            entries[e(nb, "step")] = torch.tensor([0], dtype=torch.int64)
+        if s.offloading:
+            meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
+                    "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
+            s.idle()
+            fd = _state.new_file()
+            try:
+                with Progress("load_state_dict", state_file_bytes(s), "bytes", poll=lambda: os.fstat(fd).st_size):
+                    _state.write(fd, entries, meta)  # the file is sized first: the line shows the whole at once
+                    s.handle.load_state(fd)
+            finally:
+                os.close(fd)
+        for p, st in on_device:  # the GPU share's, once tsd took its part
+            s.share.load(p, _master_for(p, st), st)
         for saved, mine in zip(groups, self.param_groups):  # once the daemon took the state
             for k, v in saved.items():
                 if k != "params":
@@ -218,13 +258,19 @@ class TsdAdamW(torch.optim.Optimizer):
                 bar.advance()
 
     def _check_streaming(self, what: str) -> None:
-        if self._inner is not None:
-            raise RuntimeError(f"{what}: offload='auto' switched this optimizer to stock AdamW, whose state is in "
-                               f"torch; use state_dict() / load_state_dict()")
-        self._check()
+        self._check()  # unwrapped or ended by tsd: that error first
+        if not self.offloading:
+            raise RuntimeError(f"{what}: this optimizer's state is all in torch on the device (offload='auto' switched "
+                               f"to stock AdamW, or optimizer_gpu_fraction=1); use state_dict() / load_state_dict()")
+        if self._session.share is not None:
+            raise RuntimeError(f"{what}: the GPU share's state (optimizer_gpu_fraction) is in torch on the device, not "
+                               f"in tsd; use state_dict() / load_state_dict()")
 
     def __repr__(self) -> str:
-        mode = "offloaded to tsd" if self._inner is None else "switched to stock AdamW"
+        share = self._session.share
+        mode = "offloaded to tsd" if self.offloading else "torch's AdamW on the device"
+        if share is not None and self.offloading:
+            mode += f", {len(share)} tensors on the device"
         return f"TsdAdamW({mode}, {len(self.param_groups)} groups, moments {self.moment_dtype})"
 
 
@@ -327,11 +373,11 @@ def decide_activation_offload(session: Session) -> None:
 
 
 def stock_adamw_fits(session: Session) -> tuple[bool, str]:
-    """Whether stock AdamW on the device fits next to what the first steps used: the measured
-    peak plus the gradients and moments stock AdamW keeps on the device, against the usable VRAM
-    of the session's budget (measured now where wrap() was given none). On a CPU device there is
-    no VRAM to save: offloading stays, unless a budget passed to wrap() gives one.
-    Returns (fits, explanation)."""
+    """Whether moving tsd's share onto the device fits next to what the first steps used: the
+    measured peak (with any GPU share already in it) plus what the share keeps per parameter
+    (planner.stock_adamw_extra_bytes), against the usable VRAM of the session's budget (measured
+    now where wrap() was given none). On a CPU device there is no VRAM to save: offloading stays,
+    unless a budget passed to wrap() gives one. Returns (fits, explanation)."""
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
     if session.pager is not None:  # the block planner resets torch's peak after each of its first steps
@@ -342,14 +388,17 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
 
 
 def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
-    """offload="auto", after the second step: moves the state out of tsd into
-    torch.optim.AdamW and releases the job when stock AdamW fits (see stock_adamw_fits).
+    """offload="auto", after the second step: when it fits (see stock_adamw_fits), the GPU share
+    (gpushare.py) takes every parameter tsd holds, with its state, as optimizer_gpu_fraction=1
+    would have from the start, and the job is released. Parameters cast by param_dtype= get
+    their own dtype back first (their fp32 masters' values), so torch's AdamW steps the model as
+    the user made it.
 
     With param_offload="auto" the decision waits until the block planner's plan settled: settled
     with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
     settled with nothing paged, it is decided as if there were no pager, and a switch releases the
     pager (no hook, plain parameters on the device). Once decided, `s.offload` is True or the
-    optimizer is stock AdamW, so it is decided once."""
+    share holds everything, so it is decided once."""
     s = opt._session
     pager = s.pager
     if pager is not None:
@@ -368,24 +417,19 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
         s.events.append(f"offload=auto: keeps offloading ({why})")
         return
     per_bucket = s.read_state()
-    s.restore_dtypes(per_bucket)  # stock AdamW steps the parameters in the model's own dtype
-    fused = bool(s.cuda)
-    for g in opt.param_groups:
-        g.update(fused=fused, foreach=False)
+    s.restore_dtypes(per_bucket)  # the model's own dtype: an fp32 parameter is its own master
+    if s.share is None:
+        s.share = gpushare.GpuShare(s.device, len(opt.param_groups))
+    items = [(s.params[b].param, s.params[b].group, s.params[b].index, master, m, v, step)
+             for b, (master, m, v, step) in per_bucket.items()]
     # The fit check measured the peak with the activations paged: their pager stays. The weight
     # pager (param_offload="auto", nothing paged) goes, with its hooks and its planner.
     s.release(keep_pager=True)
     s.planner = None
-    inner = torch.optim.AdamW(opt.param_groups, fused=fused, foreach=False)
-    for b, (master, m, v, step) in per_bucket.items():
-        p = s.params[b].param
-        if step == 0:
-            continue
-        step_t = torch.tensor(float(step), dtype=torch.float32, device=p.device if s.cuda else "cpu")
-        inner.state[p] = {"step": step_t, "exp_avg": m.view(p.shape).to(p.device, p.dtype),
-                          "exp_avg_sq": v.view(p.shape).to(p.device, p.dtype)}
-    opt._inner = inner
-    opt.state = inner.state
+    s.share.adopt(items, opt.param_groups)
+    s.share.hook_gradients()
+    opt._share_state()
+    s.norm_bucket = s.norm_slot = None
     s.events.append(f"offload=auto: switched to stock {'fused ' if s.cuda else ''}AdamW on {s.device} ({why}); "
                     f"the job's memory in tsd was released"
                     f"{'; the weight pager (nothing paged) was released' if pager is not None else ''}")

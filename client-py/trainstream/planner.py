@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from typing import Collection, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -191,10 +191,11 @@ class Demand:
     frozen_weights: int = 0
     quantized: Optional[str] = None
     host_parts: tuple[tuple[str, int], ...] = ()
+    gpu_optimizer: int = 0  # the GPU share's masters, moments and gradients (optimizer_gpu_fraction, gpushare.py)
 
     def __post_init__(self) -> None:
         for name in ("parameters", "weights_to_move", "weights_on_device", "largest_grad", "weights_paged",
-                     "paged_region_bytes", "paged_inflight", "frozen_weights"):
+                     "paged_region_bytes", "paged_inflight", "frozen_weights", "gpu_optimizer"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Demand.{name} is a count (an int >= 0), not {v!r}")
@@ -205,8 +206,9 @@ class Demand:
     @property
     def vram_resident(self) -> int:
         """The VRAM the run needs before its activations: resident weights, the largest gradient
-        in flight and the paged blocks in flight."""
-        return self.weights_to_move + self.weights_on_device + self.largest_grad + self.paged_inflight
+        in flight, the paged blocks in flight and the GPU share of the optimizer."""
+        return (self.weights_to_move + self.weights_on_device + self.largest_grad + self.paged_inflight
+                + self.gpu_optimizer)
 
     def tsd_bytes(self, moment_dtype: str) -> int:
         """What tsd will lend the job at wrap(): the optimizer's state and the paged weights'
@@ -232,6 +234,7 @@ class Plan:
     demand: Demand
     host_bytes: int = 0
     host_room: Optional[int] = None
+    gpu_share: Any = None  # gpushare.ShareChoice: the parameters whose optimizer stays on the device
 
     def describe(self) -> str:
         layout = self.demand.optimizer[self.moment_dtype]
@@ -391,6 +394,8 @@ def _refusals(p: Plan, auto: bool) -> list[Refusal]:
         if quantizable:
             vram_fix.append(f"quantize the frozen base (quantize='int8' or 'nf4'; it is {format_bytes(d.frozen_weights)})")
         inflight = f", {format_bytes(d.paged_inflight)} for paged blocks in flight" if d.paged_inflight else ""
+        if d.gpu_optimizer:
+            inflight += f", {format_bytes(d.gpu_optimizer)} for the optimizer's GPU share (optimizer_gpu_fraction)"
         if b.vram_free is not None and d.weights_to_move + d.largest_grad + d.paged_inflight > b.vram_free:
             need = d.weights_to_move + d.largest_grad + d.paged_inflight
             out.append(Refusal(
@@ -424,10 +429,12 @@ def _refusals(p: Plan, auto: bool) -> list[Refusal]:
 
 
 def stock_adamw_extra_bytes(params: Iterable[tuple[int, int, int]]) -> int:
-    """The VRAM stock AdamW needs beyond what the offloaded run uses, for parameters given as
-    (numel, bytes per element now, bytes per element in the model's own dtype): a param_dtype=
-    cast undone, then gradients, exp_avg and exp_avg_sq in the model's dtype."""
-    return sum(n * (own - now) + 3 * n * own for n, now, own in params)
+    """The VRAM the switch of offload="auto" needs beyond what the offloaded run uses, for the
+    parameters tsd holds, given as (numel, bytes per element now, bytes per element in the model's
+    own dtype): a param_dtype= cast undone, then what the optimizer's GPU share keeps per
+    parameter (gpushare.vram_cost: fp32 exp_avg, exp_avg_sq and gradient, and an fp32 master
+    where the model's dtype is not fp32)."""
+    return sum(n * (own - now) + n * (12 + (0 if own == 4 else 4)) for n, now, own in params)
 
 
 def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool, str]:

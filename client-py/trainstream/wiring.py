@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import planner, resume
+from . import gpushare, planner, resume
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
@@ -52,7 +52,7 @@ OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
-    "keep_for": None, "resume": False, "overlap_forward": False}
+    "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0}
 
 
 @dataclasses.dataclass
@@ -71,15 +71,35 @@ class _Prepared:
     maximize: bool
     paged_blocks: Optional[tuple[Optional[str], torch.nn.ModuleList, list[int]]]
     model: torch.nn.Module
+    # optimizer_gpu_fraction: the buckets whose optimizer stays on the device (set by _plan, which
+    # takes them out of `buckets`), and whether tsd gets the norm bucket (clipping over both shares).
+    gpu: list[tuple[torch.nn.Parameter, int, int]] = dataclasses.field(default_factory=list)
+    gpu_dtypes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def norm_bucket(self) -> bool:
+        return bool(self.gpu) and bool(self.buckets) and bool(self.opts["max_grad_norm"])
+
+    def split(self, ids: frozenset[int]) -> None:
+        """Moves the buckets of the parameters in `ids` to the GPU share."""
+        keep = [i for i, (p, _, _) in enumerate(self.buckets) if id(p) not in ids]
+        gone = [i for i, (p, _, _) in enumerate(self.buckets) if id(p) in ids]
+        self.gpu += [self.buckets[i] for i in gone]
+        self.gpu_dtypes += [self.dtypes[i] for i in gone]
+        self.buckets = [self.buckets[i] for i in keep]
+        self.dtypes = [self.dtypes[i] for i in keep]
 
     @property
     def accumulate(self) -> bool:
         return int(self.opts["accumulation_steps"]) > 1
 
     def request(self, moment_dtype: str) -> dict[str, Any]:
-        """The registration request (also the dry run's)."""
-        return dict(groups=self.groups,
-                    buckets=[(gi, p.numel(), d, d) for (p, gi, _), d in zip(self.buckets, self.dtypes)],
+        """The registration request (also the dry run's). With the norm bucket: one more group
+        (lr=0) and one fp32 element, last (gpushare.py)."""
+        norm = self.norm_bucket
+        return dict(groups=self.groups + ([gpushare.NORM_GROUP] if norm else []),
+                    buckets=[(gi, p.numel(), d, d) for (p, gi, _), d in zip(self.buckets, self.dtypes)]
+                    + ([(len(self.groups), 1, "float32", "float32")] if norm else []),
                     moment_dtype=moment_dtype, max_grad_norm=float(self.opts["max_grad_norm"] or 0.0),
                     accumulate=self.accumulate, seed=int(self.opts["seed"]), amsgrad=self.amsgrad,
                     maximize=self.maximize)
@@ -109,6 +129,10 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("max_grad_norm must be a finite number >= 0")
     parse_bytes(out["quota"])  # a bad size is refused before anything happens
     resume.check_options(out)
+    out["optimizer_gpu_fraction"] = gpushare.check_fraction(out["optimizer_gpu_fraction"])
+    if out["optimizer_gpu_fraction"] != 0.0 and (out["resume"] or out["keep_for"]):
+        raise ValueError("optimizer_gpu_fraction keeps part of the optimizer's state in this process, which tsd "
+                         "cannot keep for a later trainer: pass optimizer_gpu_fraction=0 with resume= or keep_for=")
     return out
 
 
@@ -302,14 +326,28 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
     if prep.device.type == "cuda":
         measured = measured.merged(planner.measure_device(prep.device))
     measured = measured.merged(planner.measure_host())
-    layouts = {md: client.plan_optimizer(**prep.request(md)) for md in MOMENT_DTYPES}
     blocks = _pageable(prep)
+    paged: set[int] = set().union(*blocks)
+    trainable = [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets + prep.gpu, prep.dtypes + prep.gpu_dtypes)]
     demand = planner.model_demand(
-        prep.model, [(p, DTYPE_BYTES[d]) for (p, _, _), d in zip(prep.buckets, prep.dtypes)], prep.device, layouts,
+        prep.model, trainable, prep.device, {},
         accumulate=prep.accumulate, quantize=prep.opts["quantize"], quant_block_size=int(prep.opts["quant_block_size"]),
-        prefer=prep.opts["prefer"], budget=measured, paged=set().union(*blocks), paged_blocks=blocks,
+        prefer=prep.opts["prefer"], budget=measured, paged=paged, paged_blocks=blocks,
         may_page=prep.opts["param_offload"] == "auto")
-    return planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
+    # The GPU share (optimizer_gpu_fraction) first: tsd's layout is that of the rest.
+    md_guess = "float32" if prep.moment_dtype == "auto" else prep.moment_dtype
+    # A share's parameters have no parameter slot in tsd, so their blocks cannot be paged: the
+    # share leaves out every block the pager may page (with "auto", each block on a GPU; on the
+    # CPU "auto" pages nothing).
+    pageable = paged if prep.device.type == "cuda" or prep.opts["param_offload"] != "auto" else set()
+    share = gpushare.choose(prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand),
+                            pageable, md_guess)
+    prep.split(share.ids)
+    layouts = {md: client.plan_optimizer(**prep.request(md)) if prep.buckets else gpushare.EMPTY_LAYOUT
+               for md in MOMENT_DTYPES}
+    demand = dataclasses.replace(demand, optimizer=layouts, gpu_optimizer=share.vram_bytes)
+    out = planner.plan(measured, demand, prep.moment_dtype, bool(prep.opts["check_memory"]))
+    return dataclasses.replace(out, gpu_share=share)
 
 
 def plan_wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union[str, torch.device] = "cuda",
@@ -354,6 +392,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     forward waits for just its own parameters' updates, which tsd runs in forward order; the
     results are the same bits, but parameters read directly between step() and the next forward
     are the old ones until optimizer.synchronize()).
+    optimizer_gpu_fraction=0.0 | float in [0, 1] | "auto" (the share of the parameters whose
+    optimizer stays on the device, fp32 masters and moments updated by torch's AdamW; the ones
+    whose gradients finish last first; "auto": as many as fit in the VRAM left; 1 registers
+    nothing in tsd, as offload="auto" switches to; see gpushare.py).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
@@ -374,9 +416,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             handle, report, moment_dtype = resume.register(client, prep.request, plan.moment_dtype,
                                                            prep.moment_dtype == "auto")
             plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
-        else:
+        elif prep.buckets:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
                 handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+        else:
+            handle = None  # optimizer_gpu_fraction=1: every update on the device, none in tsd
     except BaseException:
         if owns_client:
             client.close()
@@ -387,8 +431,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]))
     session.handle = handle
     session.moment_dtype = plan.moment_dtype
-    session.state_bytes = handle.state_bytes
+    session.state_bytes = handle.state_bytes if handle is not None else 0
     work = prep.work
+    share = gpushare.install(session, prep.gpu, len(prep.groups), work,
+                             len(prep.buckets) if prep.norm_bucket else None)
     # Weight paging: the blocks to page are chosen before anything moves to the device.
     first_paged = _plan_weight_paging(session, model, prep, plan.budget)
     paged_params = {id(w.param) for i in first_paged for w in session.pager.blocks[i].weights} if session.pager else set()
@@ -407,6 +453,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
+    if share is not None:
+        share.build(optimizer.param_groups)
+        share.hook_gradients()
     wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
     if resumed is None and any(len(v) for v in optimizer.state.values()):
         # An optimizer that already stepped keeps its state (torch keeps none for gradless parameters).
@@ -419,6 +468,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             raise
     if device.type == "cuda":
         model.to(device)  # what is not paged
+    if share is not None:
+        session.events.append(plan.gpu_share.why)
     wrapped_ref = weakref.ref(wrapped)
 
     def hook(p: torch.Tensor) -> None:
@@ -436,18 +487,20 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
-    if opts["overlap_forward"]:
+    if opts["overlap_forward"] and session.offloading:
         session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
     if quantized:
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
             if plan.host_room is not None else "")
-    session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters, "
+    session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters"
+                          f"{f' ({len(prep.gpu)} tensors of them in the GPU share)' if prep.gpu else ''}, "
                           f"{plan.moment_dtype} moments, "
                           f"{'working copies in ' + TSD_DTYPES[work] + ' on ' + str(device) + ', ' if work else ''}"
-                          f"{format_bytes(handle.state_bytes)} in tsd (job {client.job!r}, "
+                          f"{format_bytes(session.state_bytes)} in tsd (job {client.job!r}, "
                           f"{format_bytes(plan.available)} was available), {host}"
-                          f"AdamW on {handle.threads} daemon threads ({handle.isa})")
+                          + (f"AdamW on {handle.threads} daemon threads ({handle.isa})" if handle is not None
+                             else "no optimizer in tsd"))
     setattr(model, "_trainstream_session", session)
     return model, wrapped
 
@@ -471,6 +524,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             except TsdError as e:
                 cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
                 warnings.warn(f"trainstream.unwrap: {e}{cast}")
+        if session.share is not None:
+            session.share.give_back()
+            session.share = None
     finally:
         session.release()
         session.closed = True
