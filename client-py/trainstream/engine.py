@@ -119,6 +119,9 @@ class Session:
         self.waits = UpdateWaits(self.complete_update)
         self.forward_order: list[int] = []  # the buckets in the order the recorded forward used them
         self.deferred_versions: dict[int, int] = {}  # bucket -> its parameter's _version when deferred
+        # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
+        # step(), whose reduction and delivery it does (finish_step hands over to it).
+        self.dp: Any = None
 
     # ---- hyperparameters
     def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
@@ -169,6 +172,8 @@ class Session:
         grad = p.grad
         if grad is None or not self.offloading:
             return
+        if self.dp is not None:
+            return  # data parallel: reduced and delivered at step() (distributed.py)
         if self.closed:
             if self.failure is not None:
                 raise type(self.failure)(self.failure.message, self.failure.code)
@@ -232,7 +237,8 @@ class Session:
             self.handle.ready_on_stream(stream.cuda_stream, b, first, final)
 
     def sync_master(self, ps: ParamSlots) -> None:
-        ps.master.view(ps.param.shape).copy_(ps.param.detach())
+        if self.dp is None or self.dp.writes_masters:  # data parallel: the node's first rank writes them
+            ps.master.view(ps.param.shape).copy_(ps.param.detach())
         ps.version = ps.param._version
 
     def restore_dtypes(self, per_bucket: dict[int, BucketState]) -> None:
@@ -315,6 +321,9 @@ class Session:
 
     # ---- the end of a step
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.dp is not None:
+            self.dp.finish_step(self, optimizer)
+            return
         started = time.perf_counter()
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung

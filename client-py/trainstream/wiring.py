@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import planner, resume
+from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
@@ -52,6 +53,7 @@ OPTIONS: dict[str, Any] = {
     "param_offload": False, "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False}
+OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 
 @dataclasses.dataclass
@@ -108,6 +110,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("max_grad_norm must be a finite number >= 0")
     parse_bytes(out["quota"])  # a bad size is refused before anything happens
     resume.check_options(out)
+    check_distributed(out["distributed"])
     return out
 
 
@@ -343,8 +346,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     if client is None:
         client = Client(socket=opts["socket"])
     try:
+        dp = DataParallel.start(opts, client)  # None unless distributed= trains data parallel
         attached = client.job if client.attached else None
-        job = attached if attached is not None else _job_name(opts)
+        job = attached if attached is not None else (dp.job if dp is not None else _job_name(opts))
         plan = _plan(client, prep, job, budget)
         # ---- from here on, the plan is applied
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)
@@ -357,7 +361,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
         else:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
-                handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+                request = prep.request(plan.moment_dtype)
+                handle = dp.register(client, request) if dp is not None else client._register_optimizer(**request)
     except BaseException:
         if owns_client:
             client.close()
@@ -367,6 +372,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     session.param_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]))
     session.handle = handle
+    if dp is not None:
+        session.dp, session.offload = dp, True  # the node's ranks share tsd's optimizer: no switch to stock
+        dp.broadcast_parameters([p for p, _, _ in prep.buckets])
     session.moment_dtype = plan.moment_dtype
     session.state_bytes = handle.state_bytes
     work = prep.work
@@ -430,6 +438,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                           f"{format_bytes(plan.available)} was available), {host}"
                           f"AdamW on {handle.threads} daemon threads ({handle.isa})")
     setattr(model, "_trainstream_session", session)
+    if dp is not None:
+        dp.finish_wrap()
+        session.events.append(f"distributed: rank {dp.rank} of {dp.world}, rank {dp.local_rank} of {dp.local_world} "
+                              f"sharing job {dp.job!r} in this node's tsd ({len(dp.nodes)} node(s))")
     return model, wrapped
 
 

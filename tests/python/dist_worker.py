@@ -1,0 +1,129 @@
+"""One rank of tests/python/test_distributed.py: a gloo group over localhost, a small MLP trained
+data parallel through tsd (`wrap(..., distributed=True)`) next to torch's DDP + AdamW on the same
+data, results as JSON in OUT_DIR/rank<R>.json.
+
+Modes:
+  parity  20 fp32 steps with clipping and accumulation; records both models' parameters' largest
+          difference and, on rank 0, tsd's view of the job (sessions, used_bytes) before unwrap.
+  kill    the last rank kills itself (SIGKILL) after the backward of step 3; the others record the
+          error their step() raised and how long it took.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch
+
+STEPS = 20
+ACCUM = 2
+MAX_NORM = 0.05
+LR = 1e-2
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4))
+
+
+def _batches(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(ACCUM)]
+            for _ in range(steps)]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y) / ACCUM
+
+
+def reference(rank: int, device: str) -> list[torch.Tensor]:
+    """torch DDP + torch.optim.AdamW: no_sync for all but the last micro-batch, clip_grad_norm_."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _model().to(device)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _batches(rank, STEPS):
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(device), y.to(device)
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    _loss(ddp, x, y).backward()
+            else:
+                _loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def trained(rank: int, sock: str, device: str, out: dict[str, Any]) -> list[torch.Tensor]:
+    import trainstream
+    model = _model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model, opt = trainstream.wrap(model, opt, device=device, socket=sock, distributed=True, max_grad_norm=MAX_NORM,
+                                  accumulation_steps=ACCUM, check_memory=False)
+    session = trainstream.unwrap_session(model)
+    for micro in _batches(rank, STEPS):
+        for x, y in micro:
+            _loss(model, x.to(device), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.distributed.barrier()
+    with trainstream.connect(socket=sock) as c:
+        jobs = [j for j in c.jobs() if j.name == session.client.job]
+    out.update(job=session.client.job, jobs=len(jobs), sessions=jobs[0].sessions if jobs else 0,
+               used_bytes=jobs[0].used_bytes if jobs else 0, state_bytes=session.state_bytes,
+               local_world=session.dp.local_world, nodes=len(session.dp.nodes), events=session.events[-1])
+    torch.distributed.barrier()  # every rank read the job before any unwraps
+    params = [p.detach().cpu().clone() for p in model.parameters()]
+    trainstream.unwrap(model)
+    return params
+
+
+def kill(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, check_memory=False)
+    for step, micro in enumerate(_batches(rank, 6)):
+        x, y = micro[0]
+        _loss(model, x, y).backward()
+        if step == 3 and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 3:
+            time.sleep(0.5)  # the victim is dead by now
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0, step=step)
+            return
+        opt.zero_grad(set_to_none=True)
+    out.update(error=None)
+
+
+def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_dir: str, device: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        if mode == "parity":
+            ref = reference(rank, device)
+            got = trained(rank, sockets[rank], device, out)
+            out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+            out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
+        elif mode == "kill":
+            kill(rank, world, sockets[rank], out)
+    except Exception:  # noqa: BLE001 - reported to the test
+        out["exception"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if mode == "kill":
+        os._exit(0)  # the group has a dead member: destroying it could wait on it
+    torch.distributed.destroy_process_group()
