@@ -7,6 +7,8 @@ Modes:
           difference and, on rank 0, tsd's view of the job (sessions, used_bytes) before unwrap.
   kill    the last rank kills itself (SIGKILL) after the backward of step 3; the others record the
           error their step() raised and how long it took.
+  kill-in-tsd  the same, but the last rank dies inside step() 3, after the gradients' reductions and
+          before it delivers its buckets to tsd: the others wait on tsd, not on a collective.
 """
 from __future__ import annotations
 
@@ -85,15 +87,27 @@ def trained(rank: int, sock: str, device: str, out: dict[str, Any]) -> list[torc
     return params
 
 
-def kill(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
+def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) -> None:
     import trainstream
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, check_memory=False)
+    victim = rank == world - 1
+    if in_tsd and victim:
+        reduce = torch.distributed.reduce
+        session = trainstream.unwrap_session(model)
+
+        def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
+            done = reduce(tensor, dst, *args, **kwargs)
+            if session.steps == 3 and dst == rank:  # its own buckets' sums are here, not yet in tsd
+                os.kill(os.getpid(), signal.SIGKILL)
+            return done
+
+        torch.distributed.reduce = reduce_then_die
     for step, micro in enumerate(_batches(rank, 6)):
         x, y = micro[0]
         _loss(model, x, y).backward()
-        if step == 3 and rank == world - 1:
+        if step == 3 and victim and not in_tsd:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == 3:
             time.sleep(0.5)  # the victim is dead by now
@@ -118,12 +132,12 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             got = trained(rank, sockets[rank], device, out)
             out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
             out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
-        elif mode == "kill":
-            kill(rank, world, sockets[rank], out)
+        elif mode in ("kill", "kill-in-tsd"):
+            kill(rank, world, sockets[rank], out, mode == "kill-in-tsd")
     except Exception:  # noqa: BLE001 - reported to the test
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode == "kill":
+    if mode != "parity":
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

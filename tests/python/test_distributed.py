@@ -123,6 +123,26 @@ def test_killed_rank_fails_the_others_quickly(tmp_path):
         d.stop()
 
 
+def test_rank_killed_inside_step_fails_the_others_through_tsd(tmp_path):
+    """The dead rank's buckets were reduced but never delivered: the others wait on tsd, which saw
+    the rank's session end, failed the job's optimizer and says which rank was lost."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(3, [d.socket] * 3, "kill-in-tsd", str(out), timeout=120)
+        assert results[2] is None
+        for r in (0, 1):
+            res = results[r]
+            assert res is not None and "exception" not in res, res
+            assert res["error"] is not None and res["step"] == 3, res
+            assert "rank 2 of job" in res["error"] and "ended (disconnected)" in res["error"], res["error"]
+            assert res["seconds"] < 10, f"rank {r} took {res['seconds']:.1f} s to notice"
+        assert "event=optimizer_failed" in d.log()
+    finally:
+        d.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_ranks_one_gpu_gloo_match_ddp(tmp_path):
     d = _daemon(tmp_path / "tsd")
