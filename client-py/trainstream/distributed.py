@@ -151,6 +151,9 @@ class DataParallel:
         """Registers (the node's first rank) or joins (the others, after it) the job's optimizer.
         Accumulation happens in `p.grad` before the reduction, so tsd gets one delivery per step."""
         dist = _dist()
+        # Every rank planned (its memory check) before the first registers: none counts the
+        # shared optimizer as already taken from the job's quota.
+        dist.barrier(group=self.group)
         spec = dict(request, accumulate=False)
         self.assign([n for (_, n, _, _) in spec["buckets"]])
         if self.local_world == 1:

@@ -25,6 +25,7 @@ STEPS = 20
 ACCUM = 2
 MAX_NORM = 0.05
 LR = 1e-2
+QUOTA = "64KiB"  # one optimizer of the MLP (44 KiB) fits, two would not
 
 
 def _model() -> torch.nn.Module:
@@ -68,7 +69,7 @@ def trained(rank: int, sock: str, device: str, out: dict[str, Any]) -> list[torc
     model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     model, opt = trainstream.wrap(model, opt, device=device, socket=sock, distributed=True, max_grad_norm=MAX_NORM,
-                                  accumulation_steps=ACCUM, check_memory=False)
+                                  accumulation_steps=ACCUM, quota=QUOTA)
     session = trainstream.unwrap_session(model)
     for micro in _batches(rank, STEPS):
         for x, y in micro:
@@ -91,7 +92,7 @@ def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) ->
     import trainstream
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, check_memory=False)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
     victim = rank == world - 1
     if in_tsd and victim:
         reduce = torch.distributed.reduce
