@@ -338,6 +338,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     forward waits for just its own parameters' updates, which tsd runs in forward order; the
     results are the same bits, but parameters read directly between step() and the next forward
     are the old ones until optimizer.synchronize()).
+    distributed="auto" | True | False: data parallel over torch.distributed ("auto": when a group of
+    more than one rank is initialized); the ranks sharing a tsd share one optimizer in it (see
+    docs/distributed.md).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
