@@ -8,8 +8,9 @@ each bucket once with all of the node's cores. How a step goes:
   accumulation add up there, and the gradients are reduced once per `step()`, as DDP's `no_sync`.
 * `step()`: the ranks agree which buckets got a gradient on any rank (one small all-reduce), then
   each bucket's gradient is reduced (summed, divided by the world size, as DDP averages) to the
-  rank of the node that owns the bucket: `reduce` within a node, `all_reduce` between nodes (every
-  node's owner gets the global sum). The owner writes it into the bucket's gradient slot and rings
+  rank of the node that owns the bucket (`reduce` within the node), and with several nodes the
+  owners of the same buckets on every node all-reduce their nodes' sums (so each gets the global
+  sum and every node's tsd holds the same state). The owner writes it into the bucket's gradient slot and rings
   its doorbell; tsd steps it once. With `max_grad_norm`, each rank commits and tsd clips by the
   global norm once every rank of the node committed: every bucket of the job is on that tsd.
 * Every rank copies each updated bucket back from the shared parameter slot once tsd's step
@@ -95,6 +96,10 @@ class DataParallel:
         self.local_world = len(self.local)
         self.owner: list[int] = []     # bucket -> the local rank that delivers it to tsd
         self.expected: list[int] = []  # bucket -> tsd's step count once this rank's last step is in
+        # Several nodes: the group of this node's ranks, and that of the ranks with this local rank
+        # on every node (the owners of the same buckets), whose all-reduce joins the nodes' sums.
+        self.node_group: Any = None
+        self.cross_group: Any = None
 
     # ---- set-up
     @classmethod
@@ -135,7 +140,12 @@ class DataParallel:
             raise ValueError(f"every node needs the same number of ranks (ranks sharing one tsd: "
                              f"{[len(n) for n in nodes]}); launch as many ranks on each node")
         assert job is not None
-        return cls(group, job, nodes)
+        dp = cls(group, job, nodes)
+        if len(nodes) > 1:  # every rank makes every group, in the same order
+            node_groups = [dist.new_group(n) for n in nodes]
+            cross_groups = [dist.new_group([n[j] for n in nodes]) for j in range(dp.local_world)]
+            dp.node_group, dp.cross_group = node_groups[dp.node], cross_groups[dp.local_rank]
+        return dp
 
     def assign(self, numels: list[int]) -> None:
         """Spreads the buckets over the node's ranks: largest first, onto the least loaded
@@ -252,9 +262,11 @@ class DataParallel:
         if len(self.nodes) == 1:
             dist.reduce(flat, dst=self.local[owner], group=self.group)
         else:
-            dist.all_reduce(flat, group=self.group)  # every node's owner gets the global sum
+            dist.reduce(flat, dst=self.local[owner], group=self.node_group)  # the node's sum, on its owner
         if self.local_rank != owner:
             return
+        if len(self.nodes) > 1:
+            dist.all_reduce(flat, group=self.cross_group)  # the owners of every node: the global sum
         flat.div_(self.world)
         h = session.handle
         offset = 0
