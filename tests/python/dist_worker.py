@@ -64,7 +64,7 @@ def reference(rank: int, device: str) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
-def trained(rank: int, sock: str, device: str, out: dict[str, Any]) -> list[torch.Tensor]:
+def trained(rank: int, sock: str, device: str, out: dict[str, Any], out_dir: str) -> list[torch.Tensor]:
     import trainstream
     model = _model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -82,7 +82,22 @@ def trained(rank: int, sock: str, device: str, out: dict[str, Any]) -> list[torc
     out.update(job=session.client.job, jobs=len(jobs), sessions=jobs[0].sessions if jobs else 0,
                used_bytes=jobs[0].used_bytes if jobs else 0, state_bytes=session.state_bytes,
                local_world=session.dp.local_world, nodes=len(session.dp.nodes), events=session.events[-1])
-    torch.distributed.barrier()  # every rank read the job before any unwraps
+    # A checkpoint per node, by its first rank: the node's one optimizer state holds every
+    # parameter's master, equal to the trained parameters.
+    if session.dp.local_rank == 0:
+        from trainstream import _state
+        path = os.path.join(out_dir, f"node{session.dp.node}.state")
+        with open(path, "wb") as f:
+            opt.save_state(f)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            tensors, _ = _state.read(fd)
+        finally:
+            os.close(fd)
+        out["checkpoint_matches"] = all(
+            torch.equal(tensors[_state.entry(b, "master")].view(ps.param.shape), ps.param.detach().cpu())
+            for b, ps in enumerate(session.params))
+    torch.distributed.barrier()  # every rank read the job (and the checkpoints were written) before any unwraps
     params = [p.detach().cpu().clone() for p in model.parameters()]
     trainstream.unwrap(model)
     return params
@@ -130,7 +145,7 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
         if mode == "parity":
             ref = reference(rank, device)
-            got = trained(rank, sockets[rank], device, out)
+            got = trained(rank, sockets[rank], device, out, out_dir)
             out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
             out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
         elif mode in ("kill", "kill-in-tsd"):

@@ -60,7 +60,7 @@ def _daemon(directory) -> Daemon:
     return Daemon(directory)
 
 
-def _check_parity(results: list[dict], world: int, nodes: int) -> None:
+def _check_parity(results: list[dict], world: int, nodes: int, out_dir=None) -> None:
     for r, res in enumerate(results):
         assert res is not None, f"rank {r} wrote no result"
         assert "exception" not in res, f"rank {r}: {res['exception']}"
@@ -71,6 +71,11 @@ def _check_parity(results: list[dict], world: int, nodes: int) -> None:
         assert res["sessions"] == world // nodes == res["local_world"]
         assert res["used_bytes"] == res["state_bytes"], (res["used_bytes"], res["state_bytes"])
     assert len({res["job"] for res in results}) == 1
+    # One checkpoint per node, written by its first rank, holding the trained parameters.
+    writers = [res for res in results if "checkpoint_matches" in res]
+    assert len(writers) == nodes and all(res["checkpoint_matches"] for res in writers)
+    if out_dir is not None:
+        assert sorted(f for f in os.listdir(out_dir) if f.endswith(".state")) == [f"node{i}.state" for i in range(nodes)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -80,7 +85,7 @@ def test_matches_ddp_adamw_one_tsd(tmp_path, world):
         out = tmp_path / "out"
         out.mkdir()
         results = _run(world, [d.socket] * world, "parity", str(out))
-        _check_parity(results, world, nodes=1)
+        _check_parity(results, world, nodes=1, out_dir=str(out))
         # The optimizer state exists once: one rank's plan (masters, 2 moments, slots) is all tsd holds.
         with trainstream.connect(socket=d.socket) as c:
             assert c.jobs() == []  # every rank unwrapped: the job is gone
@@ -95,7 +100,7 @@ def test_two_nodes_two_tsd_match_ddp(tmp_path):
         out = tmp_path / "out"
         out.mkdir()
         results = _run(4, [a.socket, a.socket, b.socket, b.socket], "parity", str(out))
-        _check_parity(results, 4, nodes=2)
+        _check_parity(results, 4, nodes=2, out_dir=str(out))
         for d in (a, b):
             assert d.log().count("event=optimizer_registered") == 1
     finally:
