@@ -100,6 +100,8 @@ class DataParallel:
         # on every node (the owners of the same buckets), whose all-reduce joins the nodes' sums.
         self.node_group: Any = None
         self.cross_group: Any = None
+        # Several nodes: every this many steps the nodes compare a checksum of their tsd's masters.
+        self.check_every = 100
 
     # ---- set-up
     @classmethod
@@ -250,6 +252,24 @@ class DataParallel:
         for ps in params:
             ps.param.grad = None
         session.steps += 1
+        if len(self.nodes) > 1 and session.steps % self.check_every == 0:
+            self._check_nodes_agree(session)
+
+    def _check_nodes_agree(self, session: Any) -> None:
+        """Every node's tsd must hold the same masters (each stepped the same reduced gradients):
+        compares an exact checksum of their bits between the nodes; raises on every rank if one
+        differs."""
+        dist = _dist()
+        total = 0
+        for ps in session.params:  # every update of this step is in (waited for above)
+            total = (total + int(ps.master.view(torch.int32).sum(dtype=torch.int64))) % (1 << 61)
+        sums: list[Any] = [None] * self.world
+        dist.all_gather_object(sums, (self.node, total), group=self.group)
+        by_node = {node: value for node, value in sums}
+        if len(set(by_node.values())) > 1:
+            raise TsdError(f"the nodes' optimizer states diverged at step {session.steps} (checksums of the masters by "
+                           f"node: {by_node}): the nodes no longer train the same model; stop and restart from a "
+                           f"checkpoint")
 
     def _reduce(self, session: Any, buckets: list[int], dtype: torch.dtype, owner: int) -> None:
         """Sums the buckets' gradients (one flat buffer) onto the owning rank of each node,

@@ -9,6 +9,8 @@ Modes:
           error their step() raised and how long it took.
   kill-in-tsd  the same, but the last rank dies inside step() 3, after the gradients' reductions and
           before it delivers its buckets to tsd: the others wait on tsd, not on a collective.
+  diverge two nodes (ranks 0-1 and 2-3): after step 2, rank 2 changes a master in its node's tsd;
+          at the nodes' state comparison (every 4 steps here) every rank's step() raises.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ def trained(rank: int, sock: str, device: str, out: dict[str, Any], out_dir: str
     model, opt = trainstream.wrap(model, opt, device=device, socket=sock, distributed=True, max_grad_norm=MAX_NORM,
                                   accumulation_steps=ACCUM, quota=QUOTA)
     session = trainstream.unwrap_session(model)
+    session.dp.check_every = 4  # with several nodes, they compare their states every 4 steps
     for micro in _batches(rank, STEPS):
         for x, y in micro:
             _loss(model, x.to(device), y.to(device)).backward()
@@ -137,6 +140,27 @@ def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) ->
     out.update(error=None)
 
 
+def diverge(rank: int, sock: str, out: dict[str, Any]) -> None:
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
+    session = trainstream.unwrap_session(model)
+    session.dp.check_every = 4
+    for step, micro in enumerate(_batches(rank, 8)):
+        x, y = micro[0]
+        _loss(model, x, y).backward()
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out.update(error=f"{type(e).__name__}: {e}", step=step)
+            return
+        opt.zero_grad(set_to_none=True)
+        if step == 1 and rank == 2:
+            session.params[0].master[0] += 1e-3  # node 1's tsd now holds another model
+    out.update(error=None)
+
+
 def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_dir: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -148,6 +172,8 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             got = trained(rank, sockets[rank], device, out, out_dir)
             out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
             out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
+        elif mode == "diverge":
+            diverge(rank, sockets[rank], out)
         elif mode in ("kill", "kill-in-tsd"):
             kill(rank, world, sockets[rank], out, mode == "kill-in-tsd")
     except Exception:  # noqa: BLE001 - reported to the test

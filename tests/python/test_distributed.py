@@ -108,6 +108,21 @@ def test_two_nodes_two_tsd_match_ddp(tmp_path):
         b.stop()
 
 
+def test_nodes_whose_states_diverge_stop_with_a_clear_error(tmp_path):
+    a, b = _daemon(tmp_path / "a"), _daemon(tmp_path / "b")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(4, [a.socket, a.socket, b.socket, b.socket], "diverge", str(out))
+        for r, res in enumerate(results):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["error"] is not None and "diverged at step 4" in res["error"], (r, res)
+            assert res["step"] == 3
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_killed_rank_fails_the_others_quickly(tmp_path):
     d = _daemon(tmp_path / "tsd")
     try:
