@@ -22,6 +22,13 @@
 // forward can start on the first buckets while the others are still being updated. It is only a
 // sort key: any value is safe, none changes a result.
 //
+// Data parallel (docs/distributed.md): when the optimizer was registered for a world of N > 1 ranks
+// (RegisterOptimizerRequest.world), N sessions of the job share this page. Each bucket is written
+// by one rank (its owner, a client-side choice: a ready counter stored twice with the same value
+// still steps the bucket once), and the single `commit` counter is replaced by one per rank in
+// `ranks[]`, after the buckets: a commit is applied once every rank's counter reached it. The
+// header's `commit` is then unused.
+//
 // The daemon trusts nothing here: a counter that is not exactly done+1 or done, unknown flag
 // bits, out-of-range hyperparameters or a bad commit counter close the session with a logged
 // reason (written to `error` as well).
@@ -65,6 +72,7 @@ struct alignas(64) ControlHeader {
   uint32_t version;
   uint32_t num_groups;
   uint32_t num_buckets;
+  uint32_t world;  // daemon: ranks sharing the page (0: one, the header's `commit`)
   alignas(64) std::atomic<uint32_t> doorbell;     // client increments and wakes (futex word)
   alignas(64) std::atomic<uint32_t> completions;  // daemon increments and wakes (futex word)
   alignas(64) std::atomic<uint64_t> commit;       // client: step() calls (for clipping)
@@ -80,6 +88,12 @@ struct alignas(64) ControlHeader {
   std::atomic<uint64_t> client_reports;    // client: reports written (the step it reported)
 };
 
+// Per-rank counters of a data-parallel optimizer (world > 1), one cache line each.
+struct alignas(64) ControlRank {
+  std::atomic<uint64_t> commit;  // rank r's client: its step() calls (for clipping)
+};
+static_assert(sizeof(ControlRank) == 64, "a rank's counters fill one cache line");
+
 static_assert(std::atomic<uint64_t>::is_always_lock_free &&
                   std::atomic<uint32_t>::is_always_lock_free,
               "control page counters must be lock-free to live in shared memory");
@@ -89,13 +103,18 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free &&
 static_assert(sizeof(ControlHeader) == 576,
               "the control page header's size is part of the protocol");
 
-// Byte offsets of the page's parts for `groups` groups and `buckets` buckets.
+// Byte offsets of the page's parts for `groups` groups, `buckets` buckets and `world` ranks (the
+// per-rank part exists only for world > 1).
 inline constexpr size_t ControlGroupsOffset() { return sizeof(ControlHeader); }
 inline constexpr size_t ControlBucketsOffset(uint32_t groups) {
   return sizeof(ControlHeader) + static_cast<size_t>(groups) * sizeof(ControlGroup);
 }
-inline constexpr size_t ControlPageBytes(uint32_t groups, uint32_t buckets) {
+inline constexpr size_t ControlRanksOffset(uint32_t groups, uint32_t buckets) {
   return ControlBucketsOffset(groups) + static_cast<size_t>(buckets) * sizeof(ControlBucket);
+}
+inline constexpr size_t ControlPageBytes(uint32_t groups, uint32_t buckets, uint32_t world = 0) {
+  return ControlRanksOffset(groups, buckets) +
+         (world > 1 ? static_cast<size_t>(world) * sizeof(ControlRank) : 0);
 }
 
 // Typed view of a mapped control page (no ownership).
@@ -103,12 +122,20 @@ struct ControlView {
   ControlHeader* header = nullptr;
   ControlGroup* groups = nullptr;
   ControlBucket* buckets = nullptr;
+  ControlRank* ranks = nullptr;  // world > 1 only, and only from the three-argument Of
 
   static ControlView Of(void* base, uint32_t groups) {
     auto* p = static_cast<char*>(base);
     return {reinterpret_cast<ControlHeader*>(p),
             reinterpret_cast<ControlGroup*>(p + ControlGroupsOffset()),
             reinterpret_cast<ControlBucket*>(p + ControlBucketsOffset(groups))};
+  }
+  // With the per-rank part (the page must hold ControlPageBytes(groups, buckets, world)).
+  static ControlView Of(void* base, uint32_t groups, uint32_t buckets) {
+    ControlView v = Of(base, groups);
+    v.ranks = reinterpret_cast<ControlRank*>(static_cast<char*>(base) +
+                                             ControlRanksOffset(groups, buckets));
+    return v;
   }
 };
 

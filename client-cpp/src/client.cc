@@ -21,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_host.h"
+#include "proto/control_page.h"
 #include "proto/mutex.h"
 #include "proto/side_message.h"
 #include "proto/socket_dir.h"
@@ -583,6 +584,8 @@ static v1::RegisterOptimizerRequest RegistrationRequest(const OptimizerSpec& spe
   req.set_max_grad_norm(spec.max_grad_norm);
   req.set_accumulate(spec.accumulate);
   req.set_seed(spec.seed);
+  req.set_rank(spec.rank);
+  req.set_world(spec.world);
   return req;
 }
 
@@ -607,6 +610,8 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::Register(const OptimizerSpec&
   std::unique_ptr<Optimizer> opt(new Optimizer);
   opt->client_ = this;
   opt->groups_ = spec.groups.size();
+  opt->rank_ = spec.rank;
+  opt->world_ = spec.world > 1 ? spec.world : 0;
   opt->isa_ = resp.isa();
   opt->threads_ = resp.threads();
   opt->state_bytes_ = resp.state_bytes();
@@ -628,6 +633,19 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::Register(const OptimizerSpec&
     auto r = Map(name);
     if (!r.ok()) return r.status();
     *slot = *r;
+  }
+  if (opt->world_ > 1) {
+    const auto groups = static_cast<uint32_t>(opt->groups_);
+    const auto buckets = static_cast<uint32_t>(opt->buckets_.size());
+    if (opt->control_->size() < wire::ControlPageBytes(groups, buckets, opt->world_)) {
+      return absl::InternalError(absl::StrCat("tsd's control page (", opt->control_->size(),
+                                              " bytes) has no counter for each of ", opt->world_,
+                                              " ranks (tsd is older than this client?)"));
+    }
+    // A rank continues its counter where the page has it (0 for a new job).
+    opt->ContinueCommits(wire::ControlView::Of(opt->control_->data(), groups, buckets)
+                             .ranks[opt->rank_]
+                             .commit.load(std::memory_order_acquire));
   }
   if (resume) {
     if (static_cast<size_t>(resp.resume().bucket_steps_size()) != opt->buckets_.size()) {

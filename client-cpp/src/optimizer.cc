@@ -202,6 +202,16 @@ absl::Status Optimizer::Wait(size_t b, absl::Duration timeout) {
       timeout, "a bucket update");
 }
 
+absl::Status Optimizer::WaitSteps(size_t b, uint32_t steps, absl::Duration timeout) {
+  if (b >= buckets_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket ", b, " does not exist (", buckets_.size(), " buckets)"));
+  }
+  auto& slot = View(control_, groups_).buckets[b];
+  return WaitUntil([&] { return slot.steps.load(std::memory_order_acquire) >= steps; }, timeout,
+                   "a bucket's step");
+}
+
 absl::Status Optimizer::WaitAll(absl::Duration timeout) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     TSD_RETURN_IF_ERROR(Wait(b, timeout));
@@ -221,7 +231,15 @@ absl::Status Optimizer::Commit(absl::Duration timeout, bool wait) {
       WaitUntil([&] { return v.header->committed.load(std::memory_order_acquire) >= previous; },
                 timeout, "the previous step's commit"));
   const uint64_t target = ++commit_->commits;
-  v.header->commit.store(target, std::memory_order_release);
+  if (world_ > 1) {
+    // Data parallel: this rank's counter; the daemon applies the commit once every rank made it.
+    wire::ControlView::Of(control_->data(), static_cast<uint32_t>(groups_),
+                          static_cast<uint32_t>(buckets_.size()))
+        .ranks[rank_]
+        .commit.store(target, std::memory_order_release);
+  } else {
+    v.header->commit.store(target, std::memory_order_release);
+  }
   v.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&v.header->doorbell);
   if (!wait) return absl::OkStatus();

@@ -327,13 +327,17 @@ HandlePtr NewHandle(const ClientPtr& client, const tsd::OptimizerSpec& spec) {
   return h;
 }
 
+// `rank`/`world`: a data-parallel rank's registration (world > 1), which joins the job's
+// optimizer when another rank created it (docs/distributed.md).
 HandlePtr RegisterOptimizer(
     const ClientPtr& client, const std::vector<py::dict>& groups,
     const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
     const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
-    bool amsgrad, bool maximize) {
-  const tsd::OptimizerSpec spec =
+    bool amsgrad, bool maximize, uint32_t rank, uint32_t world) {
+  tsd::OptimizerSpec spec =
       SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
+  spec.rank = rank;
+  spec.world = world;
   auto h = NewHandle(client, spec);
   {
     py::gil_scoped_release release;
@@ -603,7 +607,7 @@ PYBIND11_MODULE(_C, m) {
       .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
-           py::arg("maximize") = false)
+           py::arg("maximize") = false, py::arg("rank") = 0, py::arg("world") = 0)
       .def("resume_optimizer", &ResumeOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
@@ -670,6 +674,16 @@ PYBIND11_MODULE(_C, m) {
              CheckBucket(h, b);
              return h.opt->steps(b);
            })
+      .def(
+          "wait_steps",
+          [](OptimizerHandle& h, size_t b, uint32_t steps, double timeout_s) {
+            CheckBucket(h, b);
+            py::gil_scoped_release release;
+            Check(h.opt->WaitSteps(b, steps, Seconds(timeout_s)));
+          },
+          py::arg("bucket"), py::arg("steps"), py::arg("timeout_s") = 600.0)
+      .def_property_readonly("rank", [](const OptimizerHandle& h) { return h.opt->rank(); })
+      .def_property_readonly("world", [](const OptimizerHandle& h) { return h.opt->world(); })
       // Tensors aliasing the shared slots (1-D, CPU; pinned where CUDA registered them).
       .def("master",
            [](const HandlePtr& h, size_t b) {

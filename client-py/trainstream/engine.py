@@ -124,6 +124,9 @@ class Session:
         self.share: Any = None
         self.norm_bucket: Optional[int] = None
         self.norm_slot: Any = None
+        # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
+        # step(), whose reduction and delivery it does (finish_step hands over to it).
+        self.dp: Any = None
 
     # ---- hyperparameters
     def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
@@ -174,6 +177,8 @@ class Session:
         grad = p.grad
         if grad is None or not self.offloading:
             return
+        if self.dp is not None:
+            return  # data parallel: reduced and delivered at step() (distributed.py)
         if self.closed:
             if self.failure is not None:
                 raise type(self.failure)(self.failure.message, self.failure.code)
@@ -237,8 +242,9 @@ class Session:
             self.handle.ready_on_stream(stream.cuda_stream, b, first, final)
 
     def sync_master(self, ps: ParamSlots) -> None:
-        # A paged parameter's values are its parameter slot (it is an empty tensor between uses).
-        ps.master.view(ps.shape).copy_(ps.param_slot.view(ps.shape) if ps.paged else ps.param.detach())
+        if self.dp is None or self.dp.writes_masters:  # data parallel: the node's first rank writes them
+            # A paged parameter's values are its parameter slot (it is an empty tensor between uses).
+            ps.master.view(ps.shape).copy_(ps.param_slot.view(ps.shape) if ps.paged else ps.param.detach())
         ps.version = ps.param._version
 
     def restore_dtypes(self, per_bucket: dict[int, BucketState]) -> None:
@@ -321,6 +327,9 @@ class Session:
 
     # ---- the end of a step
     def finish_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.dp is not None:
+            self.dp.finish_step(self, optimizer)
+            return
         started = time.perf_counter()
         if self.cuda:
             self.side_stream.synchronize()  # every doorbell of this step has been rung

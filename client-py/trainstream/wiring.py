@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import gpushare, planner, resume
+from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
 from .errors import InvalidRequest, TsdError
@@ -53,6 +54,7 @@ OPTIONS: dict[str, Any] = {
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0}
+OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 
 @dataclasses.dataclass
@@ -133,6 +135,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     if out["optimizer_gpu_fraction"] != 0.0 and (out["resume"] or out["keep_for"]):
         raise ValueError("optimizer_gpu_fraction keeps part of the optimizer's state in this process, which tsd "
                          "cannot keep for a later trainer: pass optimizer_gpu_fraction=0 with resume= or keep_for=")
+    check_distributed(out["distributed"])
     return out
 
 
@@ -396,6 +399,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     optimizer stays on the device, fp32 masters and moments updated by torch's AdamW; the ones
     whose gradients finish last first; "auto": as many as fit in the VRAM left; 1 registers
     nothing in tsd, as offload="auto" switches to; see gpushare.py).
+    distributed="auto" | True | False: data parallel over torch.distributed ("auto": when a group of
+    more than one rank is initialized); the ranks sharing a tsd share one optimizer in it (see
+    docs/distributed.md).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     prep = _prepare(model, optimizer, device, options)
@@ -404,8 +410,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     if client is None:
         client = Client(socket=opts["socket"])
     try:
+        dp = DataParallel.start(opts, client)  # None unless distributed= trains data parallel
         attached = client.job if client.attached else None
-        job = attached if attached is not None else _job_name(opts)
+        job = attached if attached is not None else (dp.job if dp is not None else _job_name(opts))
         plan = _plan(client, prep, job, budget)
         # ---- from here on, the plan is applied
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)
@@ -418,7 +425,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
         elif prep.buckets:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
-                handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+                request = prep.request(plan.moment_dtype)
+                handle = dp.register(client, request) if dp is not None else client._register_optimizer(**request)
         else:
             handle = None  # optimizer_gpu_fraction=1: every update on the device, none in tsd
     except BaseException:
@@ -430,6 +438,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     session.param_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]))
     session.handle = handle
+    if dp is not None:
+        session.dp, session.offload = dp, True  # the node's ranks share tsd's optimizer: no switch to stock
+        dp.broadcast_parameters([p for p, _, _ in prep.buckets])
     session.moment_dtype = plan.moment_dtype
     session.state_bytes = handle.state_bytes if handle is not None else 0
     work = prep.work
@@ -502,6 +513,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                           + (f"AdamW on {handle.threads} daemon threads ({handle.isa})" if handle is not None
                              else "no optimizer in tsd"))
     setattr(model, "_trainstream_session", session)
+    if dp is not None:
+        dp.finish_wrap()
+        session.events.append(f"distributed: rank {dp.rank} of {dp.world}, rank {dp.local_rank} of {dp.local_world} "
+                              f"sharing job {dp.job!r} in this node's tsd ({len(dp.nodes)} node(s))")
     return model, wrapped
 
 

@@ -327,6 +327,7 @@ void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Relea
   auto job = jobs_.find(job_name);
   if (job == jobs_.end()) return;
   job->second.sessions.erase(session_id);
+  RankEndedLocked(job->second, session_id, why);
   // A job whose trainer died keeps its optimizer without a session driving it (optimizer_session
   // 0) until a resume takes it over: a resuming session that gives up (e.g. on a mismatched
   // registration) and detaches leaves a kept job kept.
@@ -475,7 +476,7 @@ uint64_t Registry::ReleaseRegions(const JobRef& ref, const std::vector<uint64_t>
 
 absl::Status Registry::InstallOptimizer(uint64_t session_id, const JobRef& ref,
                                         const std::vector<uint64_t>& region_ids,
-                                        const OptimizerFactory& make) {
+                                        const OptimizerFactory& make, int64_t rank) {
   MutexLock lock(mu_);
   TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
   Job& job = jobs_.at(session->job);
@@ -499,6 +500,8 @@ absl::Status Registry::InstallOptimizer(uint64_t session_id, const JobRef& ref,
   }
   TSD_ASSIGN_OR_RETURN(job.optimizer, make(job.name, regions));
   job.optimizer_session = session_id;
+  job.ranks.clear();
+  if (rank >= 0) job.ranks[static_cast<uint32_t>(rank)] = session_id;
   return absl::OkStatus();
 }
 

@@ -155,9 +155,18 @@ class Registry final {
   // no other session sees the job half set up.
   using OptimizerFactory = std::function<absl::StatusOr<std::shared_ptr<JobOptimizer>>(
       const std::string& job, const std::vector<std::shared_ptr<Region>>& regions)>;
+  // `rank` (>= 0): the data-parallel rank the registering session holds (world > 1).
   absl::Status InstallOptimizer(uint64_t session_id, const JobRef& job,
                                 const std::vector<uint64_t>& region_ids,
-                                const OptimizerFactory& make);
+                                const OptimizerFactory& make, int64_t rank = -1);
+  // Data parallel (daemon/jobs/ranks.cc): makes `session_id` rank `rank` of its job's optimizer,
+  // registered for `world` ranks, after `check(its plan)` accepts the session's request.
+  // NOT_FOUND when the job has no optimizer yet (the caller creates it); FAILED_PRECONDITION for
+  // an optimizer that failed, or one of another world (or of none); ALREADY_EXISTS for a rank a
+  // live session holds, or a session that already holds one. Changes nothing when refused.
+  absl::StatusOr<std::shared_ptr<JobOptimizer>> JoinOptimizer(
+      uint64_t session_id, uint32_t rank, uint32_t world,
+      const std::function<absl::Status(const OptimizerPlan&)>& check);
   // --- end of optimizer registration -----------------------------------------------------------
   // --- Kept jobs (daemon/jobs/keep.cc) ----------------------------------------------------------
   // The job's optimizer, for a session that attached with resume, after `check(kept plan)`
@@ -229,6 +238,9 @@ class Registry final {
     absl::Duration keep_for = absl::ZeroDuration();  // asked at attach (AttachOptions)
     std::shared_ptr<JobOptimizer> optimizer;
     uint64_t optimizer_session = 0;  // the session that registered it (closed if it fails)
+    // Data parallel: the session holding each rank of the optimizer. A rank's session that ends
+    // other than by Detach fails the optimizer for the others (RemoveSessionLocked).
+    std::map<uint32_t, uint64_t> ranks;
   };
   // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their
   // threads), then the regions they worked in.
@@ -243,6 +255,10 @@ class Registry final {
   // Removes a job, uncharging the pool; its regions are moved to `dead` to be destroyed after
   // the lock is dropped.
   void ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A data-parallel rank's session ended: forgets its rank, and fails the job's optimizer (every
+  // other rank's wait then reports why) unless it detached.
+  void RankEndedLocked(Job& job, uint64_t session_id, ReleaseReason why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session; releases its job when it was the last and the grace period is zero.
   void RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Released& dead)

@@ -16,6 +16,7 @@ namespace {
 
 constexpr size_t kMaxGroups = 1024;
 constexpr size_t kMaxBuckets = 65536;
+constexpr uint32_t kMaxWorld = 4096;     // data-parallel ranks sharing one optimizer
 constexpr int64_t kChunk = 1 << 18;      // elements per pool task
 constexpr int64_t kInline = 1 << 15;     // buckets this small run on the dispatcher
 constexpr int64_t kSpinNs = 30000;       // the dispatcher spins this long before sleeping
@@ -105,6 +106,17 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   p.max_grad_norm = req.max_grad_norm();
   p.accumulate = req.accumulate();
   p.seed = req.seed();
+  if (req.world() > kMaxWorld) {
+    return absl::InvalidArgumentError(absl::StrCat("world must be at most ", kMaxWorld,
+                                                   " data-parallel ranks (got ", req.world(), ")"));
+  }
+  if (req.rank() >= std::max<uint32_t>(req.world(), 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", req.rank(),
+                                                   " is out of range for a world of ", req.world(),
+                                                   " (ranks are 0 to world - 1)"));
+  }
+  p.world = req.world() > 1 ? req.world() : 0;
+  p.rank = req.rank();
   const uint64_t msize = kernels::DTypeSize(p.moment_dtype);
   uint64_t master = 0, moments = 0, grads = 0, params = 0;
   const uint64_t max_numel = max_bytes / 4;
@@ -146,8 +158,9 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
     return std::max<uint64_t>(wire::kPageBytes,
                               (x + wire::kPageBytes - 1) / wire::kPageBytes * wire::kPageBytes);
   };
-  p.control_bytes = page(wire::ControlPageBytes(static_cast<uint32_t>(req.groups_size()),
-                                                static_cast<uint32_t>(req.buckets_size())));
+  p.control_bytes =
+      page(wire::ControlPageBytes(static_cast<uint32_t>(req.groups_size()),
+                                  static_cast<uint32_t>(req.buckets_size()), p.world));
   p.master_bytes = page(master);
   p.moment_bytes = page(moments);
   p.grad_bytes = page(grads);
@@ -167,11 +180,13 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
       isa_(isa),
       observer_(std::move(observer)) {
   page_ =
-      wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()));
+      wire::ControlView::Of(regions_.control->data(), static_cast<uint32_t>(plan_.groups.size()),
+                            static_cast<uint32_t>(plan_.buckets.size()));
   page_.header->magic = wire::kControlPageMagic;
   page_.header->version = wire::kControlPageVersion;
   page_.header->num_groups = static_cast<uint32_t>(plan_.groups.size());
   page_.header->num_buckets = static_cast<uint32_t>(plan_.buckets.size());
+  page_.header->world = plan_.world;
   for (size_t g = 0; g < plan_.groups.size(); ++g) {
     const auto& grp = plan_.groups[g];
     page_.groups[g] = {grp.lr(), grp.beta1(), grp.beta2(), grp.eps(), grp.weight_decay()};
@@ -255,13 +270,9 @@ bool JobOptimizer::Scan() {
   MutexLock lock(state_mu_);
   // Read the commit counter first: the client bumps it after marking its deliveries, so every
   // delivery before the commit is visible below.
-  const uint64_t commit = page_.header->commit.load(std::memory_order_acquire);
+  uint64_t commit = 0;
+  if (!ReadCommit(&commit)) return false;
   if (commit_running_ && commit_left_.load(std::memory_order_acquire) == 0) commit_running_ = false;
-  if (commit < committed_local_ || commit > committed_local_ + 1) {
-    Fail(absl::StrCat("control page: commit counter ", commit, " is not ", committed_local_, " or ",
-                      committed_local_ + 1));
-    return false;
-  }
   for (size_t b = 0; b < runs_.size(); ++b) {
     BucketRun& run = *runs_[b];
     if (run.busy.load(std::memory_order_acquire)) continue;
@@ -281,6 +292,28 @@ bool JobOptimizer::Scan() {
   }
   if (plan_.max_grad_norm > 0 && commit > committed_local_ && !commit_running_) MaybeApplyCommit();
   return !failed_.load();
+}
+
+bool JobOptimizer::ReadCommit(uint64_t* commit) {
+  const auto check = [this](uint64_t c, const std::string& whose) {
+    if (c >= committed_local_ && c <= committed_local_ + 1) return true;
+    Fail(absl::StrCat("control page: ", whose, "commit counter ", c, " is not ", committed_local_,
+                      " or ", committed_local_ + 1));
+    return false;
+  };
+  if (plan_.world <= 1) {
+    *commit = page_.header->commit.load(std::memory_order_acquire);
+    return check(*commit, "");
+  }
+  // Data parallel: a commit is applied once every rank asked for it.
+  uint64_t lowest = committed_local_ + 1;
+  for (uint32_t r = 0; r < plan_.world; ++r) {
+    const uint64_t c = page_.ranks[r].commit.load(std::memory_order_acquire);
+    if (!check(c, absl::StrCat("rank ", r, "'s "))) return false;
+    lowest = std::min(lowest, c);
+  }
+  *commit = lowest;
+  return true;
 }
 
 bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
@@ -445,7 +478,9 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
       },
       [this, b, after = std::move(after)] {
         const BucketRun& r = *runs_[b];
-        page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_relaxed);
+        // Release: a data-parallel rank that does not own the bucket reads its parameter slot
+        // once it sees the step count.
+        page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_release);
         const double seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
         stats_.RecordBucket(seconds, static_cast<uint64_t>(r.plan.numel));

@@ -57,6 +57,9 @@ struct OptimizerPlan {
   double max_grad_norm = 0;
   bool accumulate = false;
   uint64_t seed = 0;
+  // Data parallel: the ranks sharing the optimizer (0: one process) and the registering one's.
+  uint32_t world = 0;
+  uint32_t rank = 0;
   uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
            accum_bytes = 0;
   uint64_t total_bytes() const {
@@ -87,6 +90,9 @@ class JobOptimizer final {
   void Start();
   // Stops the dispatcher and waits for work in flight. Idempotent.
   void Stop();
+  // Fails the optimizer from outside (a data-parallel rank's session died): every rank's next
+  // wait reports `why`. Idempotent: the first failure is kept.
+  void Abort(const std::string& why) { Fail(why); }
   // True once the page was found invalid; `failure()` says why.
   bool failed() const { return failed_.load(); }
   std::string failure() const ABSL_LOCKS_EXCLUDED(failure_mu_);
@@ -111,8 +117,10 @@ class JobOptimizer final {
   // `timeout`; FAILED_PRECONDITION when the optimizer has failed.
   absl::StatusOr<ResumePoint> Resume(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(state_mu_);
   // OK when a registration planned as `asked` may take over an optimizer planned as `kept`;
-  // else FAILED_PRECONDITION naming the first difference (hyperparameters may differ).
-  static absl::Status CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked);
+  // else FAILED_PRECONDITION naming the first difference (hyperparameters may differ). `join`:
+  // the words for a data-parallel rank joining a live optimizer rather than a resume.
+  static absl::Status CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked,
+                                      bool join = false);
   // What the optimizer is doing: its StepStats and the client's report on the control page
   // (job_activity.cc). Any thread.
   void DescribeActivity(v1::JobActivity& out) const;
@@ -146,6 +154,9 @@ class JobOptimizer final {
   void DispatchLoop();
   // One pass over the page; returns false after a failure.
   bool Scan() ABSL_LOCKS_EXCLUDED(state_mu_);
+  // The commit counter the clients asked for: the header's, or with world > 1 the lowest of the
+  // ranks' (each must be the commits applied or one more). False after a failure.
+  bool ReadCommit(uint64_t* commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   bool TakeDelivery(size_t b, uint64_t ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // Clipping: sums the squares of the bucket's final gradient (its grad slot, or the accumulator)
   // on the pool, then holds the bucket until the commit.

@@ -34,55 +34,66 @@ const char* DTypeName(kernels::DType d) {
 
 }  // namespace
 
-absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked) {
-  const auto differ = [](const std::string& what) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the registration does not match the kept job's optimizer: ", what,
-        "; resume with the same model, parameter groups and wrap() options as the run that "
-        "died (or start afresh under another job name)"));
+absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked,
+                                           bool join) {
+  const auto differ = [join](const std::string& what) {
+    return absl::FailedPreconditionError(
+        join ? absl::StrCat("this rank's registration does not match the optimizer the job's "
+                            "other ranks registered: ",
+                            what,
+                            "; every rank must wrap the same model with the same optimizer "
+                            "groups and wrap() options")
+             : absl::StrCat("the registration does not match the kept job's optimizer: ", what,
+                            "; resume with the same model, parameter groups and wrap() options "
+                            "as the run that died (or start afresh under another job name)"));
   };
+  const char* theirs = join ? "the other ranks' optimizer" : "the kept job";
   if (kept.groups.size() != asked.groups.size()) {
-    return differ(absl::StrCat("the kept job has ", kept.groups.size(), " parameter groups, this ",
+    return differ(absl::StrCat(theirs, " has ", kept.groups.size(), " parameter groups, this ",
                                "registration ", asked.groups.size()));
   }
   if (kept.buckets.size() != asked.buckets.size()) {
-    return differ(absl::StrCat("the kept job has ", kept.buckets.size(),
+    return differ(absl::StrCat(theirs, " has ", kept.buckets.size(),
                                " trainable parameters (buckets), this registration ",
                                asked.buckets.size()));
   }
   for (size_t b = 0; b < kept.buckets.size(); ++b) {
     const BucketPlan &k = kept.buckets[b], &a = asked.buckets[b];
     if (k.numel != a.numel) {
-      return differ(absl::StrCat("bucket ", b, " has ", k.numel, " elements in the kept job, ",
+      return differ(absl::StrCat("bucket ", b, " has ", k.numel, " elements in ", theirs, ", ",
                                  a.numel, " here"));
     }
     if (k.group != a.group) {
-      return differ(absl::StrCat("bucket ", b, " is in parameter group ", k.group,
-                                 " in the kept job, ", a.group, " here"));
+      return differ(absl::StrCat("bucket ", b, " is in parameter group ", k.group, " in ", theirs,
+                                 ", ", a.group, " here"));
     }
     if (k.grad_dtype != a.grad_dtype || k.param_dtype != a.param_dtype) {
       return differ(absl::StrCat("bucket ", b, " is ", DTypeName(k.param_dtype), " (gradients ",
-                                 DTypeName(k.grad_dtype), ") in the kept job, ",
+                                 DTypeName(k.grad_dtype), ") in ", theirs, ", ",
                                  DTypeName(a.param_dtype), " (gradients ", DTypeName(a.grad_dtype),
                                  ") here"));
     }
   }
   if (kept.moment_dtype != asked.moment_dtype) {
-    return differ(absl::StrCat("the kept job's moments are ", DTypeName(kept.moment_dtype),
+    return differ(absl::StrCat(theirs, "'s moments are ", DTypeName(kept.moment_dtype),
                                ", this registration asks ", DTypeName(asked.moment_dtype)));
   }
   if (kept.max_grad_norm != asked.max_grad_norm) {
-    return differ(absl::StrCat("the kept job clips at max_grad_norm=", kept.max_grad_norm,
+    return differ(absl::StrCat(theirs, " clips at max_grad_norm=", kept.max_grad_norm,
                                ", this registration asks ", asked.max_grad_norm));
   }
   if (kept.accumulate != asked.accumulate) {
-    return differ(absl::StrCat("the kept job was registered with", kept.accumulate ? "" : "out",
+    return differ(absl::StrCat(theirs, " was registered with", kept.accumulate ? "" : "out",
                                " gradient accumulation, this ", "registration ",
                                asked.accumulate ? "with" : "without"));
   }
   if (kept.seed != asked.seed) {
-    return differ(absl::StrCat("the kept job's stochastic-rounding seed is ", kept.seed,
+    return differ(absl::StrCat(theirs, "'s stochastic-rounding seed is ", kept.seed,
                                ", this registration's ", asked.seed));
+  }
+  if (kept.world != asked.world) {
+    return differ(absl::StrCat(theirs, " is shared by a world of ", kept.world,
+                               " data-parallel ranks, this registration asks ", asked.world));
   }
   return absl::OkStatus();
 }

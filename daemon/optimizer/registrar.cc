@@ -18,6 +18,15 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
   }
   auto plan = JobOptimizer::Plan(req, options.pool_bytes);
   if (!plan.ok()) return plan.status();
+  if (plan->world > 1) {
+    // A data-parallel rank joins the optimizer another rank of the job created, if there is one.
+    auto joined = registry_.JoinOptimizer(
+        session_id, plan->rank, plan->world, [&](const OptimizerPlan& theirs) {
+          return JobOptimizer::CheckSameLayout(theirs, *plan, /*join=*/true);
+        });
+    if (joined.ok()) return LayoutResponse((*joined)->plan(), options);
+    if (joined.status().code() != absl::StatusCode::kNotFound) return joined.status();
+  }
   auto job = registry_.PrepareOptimizer(session_id, plan->total_bytes());
   if (!job.ok()) return job.status();
 
@@ -70,15 +79,16 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
             options.metrics ? options.metrics->ObserverFor(name) : nullptr);
         optimizer->Start();
         return optimizer;
-      });
+      },
+      layout.world > 1 ? static_cast<int64_t>(layout.rank) : -1);
   if (!installed.ok()) return rollback(installed);
 
   v1::RegisterOptimizerResponse resp = LayoutResponse(layout, options);
   spdlog::info(
       "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
-      "accumulate={}",
+      "accumulate={} world={}",
       job->name, layout.buckets.size(), layout.groups.size(), layout.total_bytes(),
-      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate);
+      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate, layout.world);
   return resp;
 }
 

@@ -29,7 +29,9 @@ class Registrar final {
   explicit Registrar(Registry& registry, AfterAlloc after_alloc = nullptr)
       : registry_(registry), after_alloc_(std::move(after_alloc)) {}
 
-  // Registers the optimizer of `session_id`'s job and returns its layout.
+  // Registers the optimizer of `session_id`'s job and returns its layout. With world > 1 (data
+  // parallel) a rank joins the job's optimizer when another rank created it (Registry::
+  // JoinOptimizer: nothing is allocated), else creates it for the world.
   absl::StatusOr<v1::RegisterOptimizerResponse> Register(uint64_t session_id,
                                                          const v1::RegisterOptimizerRequest& req);
 

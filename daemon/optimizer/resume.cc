@@ -22,6 +22,10 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Resume(
     return absl::InternalError("this daemon runs without an optimizer engine");
   }
   TSD_ASSIGN_OR_RETURN(const OptimizerPlan asked, JobOptimizer::Plan(req, options.pool_bytes));
+  if (asked.world > 1) {
+    return absl::UnimplementedError(
+        "resuming a data-parallel job (world > 1) is not supported yet; restart it afresh");
+  }
   TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer,
                        registry_.TakeOverOptimizer(session_id, [&](const OptimizerPlan& kept) {
                          return JobOptimizer::CheckSameLayout(kept, asked);

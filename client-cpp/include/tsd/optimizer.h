@@ -64,6 +64,12 @@ struct OptimizerSpec {
   // Refused with a clear error (tsd's AdamW does not implement them).
   bool amsgrad = false;
   bool maximize = false;
+  // Data parallel (docs/distributed.md): world > 1 shares the job's optimizer between `world`
+  // sessions of the job, this one being rank `rank`. The first registers it, the others join it
+  // with the same spec. Each bucket must be delivered by one rank only (its owner); Commit()
+  // counts this rank's steps, and the daemon applies a commit once every rank made it.
+  uint32_t rank = 0;
+  uint32_t world = 0;
 };
 
 // Where a resumed optimizer stands (Client::ResumeOptimizer): tsd finished every delivery the
@@ -119,6 +125,12 @@ class Optimizer final {
   double last_grad_norm() const;
   // Optimizer steps applied to bucket b.
   uint32_t steps(size_t b) const;
+  // Waits until at least `steps` optimizer steps were applied to bucket b: how a data-parallel
+  // rank that does not deliver the bucket knows its parameter slot holds the step's update.
+  absl::Status WaitSteps(size_t b, uint32_t steps, absl::Duration timeout = absl::Seconds(600));
+  // The data-parallel rank and world this optimizer was registered with (0, 0: one process).
+  uint32_t rank() const { return rank_; }
+  uint32_t world() const { return world_; }
   // Tells tsd about the step just finished, for `tsctl top` only (tsd shows it, never acts on
   // it): how long step() waited for tsd, and the bytes paged host to device and device to host.
   // A negative wait is refused (INVALID_ARGUMENT).
@@ -155,6 +167,7 @@ class Optimizer final {
   std::shared_ptr<Region> control_, master_, grads_, params_;
   std::vector<Bucket> buckets_;
   size_t groups_ = 0;
+  uint32_t rank_ = 0, world_ = 0;
   const std::unique_ptr<CommitState> commit_;
   std::string isa_;
   uint32_t threads_ = 0;

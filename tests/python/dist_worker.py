@@ -1,0 +1,185 @@
+"""One rank of tests/python/test_distributed.py: a gloo group over localhost, a small MLP trained
+data parallel through tsd (`wrap(..., distributed=True)`) next to torch's DDP + AdamW on the same
+data, results as JSON in OUT_DIR/rank<R>.json.
+
+Modes:
+  parity  20 fp32 steps with clipping and accumulation; records both models' parameters' largest
+          difference and, on rank 0, tsd's view of the job (sessions, used_bytes) before unwrap.
+  kill    the last rank kills itself (SIGKILL) after the backward of step 3; the others record the
+          error their step() raised and how long it took.
+  kill-in-tsd  the same, but the last rank dies inside step() 3, after the gradients' reductions and
+          before it delivers its buckets to tsd: the others wait on tsd, not on a collective.
+  diverge two nodes (ranks 0-1 and 2-3): after step 2, rank 2 changes a master in its node's tsd;
+          at the nodes' state comparison (every 4 steps here) every rank's step() raises.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import torch
+
+STEPS = 20
+ACCUM = 2
+MAX_NORM = 0.05
+LR = 1e-2
+QUOTA = "64KiB"  # one optimizer of the MLP (44 KiB) fits, two would not
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 4))
+
+
+def _batches(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(ACCUM)]
+            for _ in range(steps)]
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y) / ACCUM
+
+
+def reference(rank: int, device: str) -> list[torch.Tensor]:
+    """torch DDP + torch.optim.AdamW: no_sync for all but the last micro-batch, clip_grad_norm_."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _model().to(device)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _batches(rank, STEPS):
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(device), y.to(device)
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    _loss(ddp, x, y).backward()
+            else:
+                _loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def trained(rank: int, sock: str, device: str, out: dict[str, Any], out_dir: str) -> list[torch.Tensor]:
+    import trainstream
+    model = _model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    model, opt = trainstream.wrap(model, opt, device=device, socket=sock, distributed=True, max_grad_norm=MAX_NORM,
+                                  accumulation_steps=ACCUM, quota=QUOTA)
+    session = trainstream.unwrap_session(model)
+    session.dp.check_every = 4  # with several nodes, they compare their states every 4 steps
+    for micro in _batches(rank, STEPS):
+        for x, y in micro:
+            _loss(model, x.to(device), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.distributed.barrier()
+    with trainstream.connect(socket=sock) as c:
+        jobs = [j for j in c.jobs() if j.name == session.client.job]
+    out.update(job=session.client.job, jobs=len(jobs), sessions=jobs[0].sessions if jobs else 0,
+               used_bytes=jobs[0].used_bytes if jobs else 0, state_bytes=session.state_bytes,
+               local_world=session.dp.local_world, nodes=len(session.dp.nodes), events=session.events[-1])
+    # A checkpoint per node, by its first rank: the node's one optimizer state holds every
+    # parameter's master, equal to the trained parameters.
+    if session.dp.local_rank == 0:
+        from trainstream import _state
+        path = os.path.join(out_dir, f"node{session.dp.node}.state")
+        with open(path, "wb") as f:
+            opt.save_state(f)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            tensors, _ = _state.read(fd)
+        finally:
+            os.close(fd)
+        out["checkpoint_matches"] = all(
+            torch.equal(tensors[_state.entry(b, "master")].view(ps.param.shape), ps.param.detach().cpu())
+            for b, ps in enumerate(session.params))
+    torch.distributed.barrier()  # every rank read the job (and the checkpoints were written) before any unwraps
+    params = [p.detach().cpu().clone() for p in model.parameters()]
+    trainstream.unwrap(model)
+    return params
+
+
+def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) -> None:
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
+    victim = rank == world - 1
+    if in_tsd and victim:
+        reduce = torch.distributed.reduce
+        session = trainstream.unwrap_session(model)
+
+        def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
+            done = reduce(tensor, dst, *args, **kwargs)
+            if session.steps == 3 and dst == rank:  # its own buckets' sums are here, not yet in tsd
+                os.kill(os.getpid(), signal.SIGKILL)
+            return done
+
+        torch.distributed.reduce = reduce_then_die
+    for step, micro in enumerate(_batches(rank, 6)):
+        x, y = micro[0]
+        _loss(model, x, y).backward()
+        if step == 3 and victim and not in_tsd:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 3:
+            time.sleep(0.5)  # the victim is dead by now
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0, step=step)
+            return
+        opt.zero_grad(set_to_none=True)
+    out.update(error=None)
+
+
+def diverge(rank: int, sock: str, out: dict[str, Any]) -> None:
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
+    session = trainstream.unwrap_session(model)
+    session.dp.check_every = 4
+    for step, micro in enumerate(_batches(rank, 8)):
+        x, y = micro[0]
+        _loss(model, x, y).backward()
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            out.update(error=f"{type(e).__name__}: {e}", step=step)
+            return
+        opt.zero_grad(set_to_none=True)
+        if step == 1 and rank == 2:
+            session.params[0].master[0] += 1e-3  # node 1's tsd now holds another model
+    out.update(error=None)
+
+
+def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_dir: str, device: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        if mode == "parity":
+            ref = reference(rank, device)
+            got = trained(rank, sockets[rank], device, out, out_dir)
+            out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+            out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
+        elif mode == "diverge":
+            diverge(rank, sockets[rank], out)
+        elif mode in ("kill", "kill-in-tsd"):
+            kill(rank, world, sockets[rank], out, mode == "kill-in-tsd")
+    except Exception:  # noqa: BLE001 - reported to the test
+        out["exception"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if mode != "parity":
+        os._exit(0)  # the group has a dead member: destroying it could wait on it
+    torch.distributed.destroy_process_group()

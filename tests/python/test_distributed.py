@@ -1,0 +1,189 @@
+"""Data parallel through tsd (`wrap(..., distributed=...)`, docs/distributed.md): N processes in a
+gloo group share one tsd job's optimizer, and train as torch DDP + torch.optim.AdamW does.
+
+Each test starts its ranks as processes (tests/python/dist_worker.py) and reads their JSON
+results; a rank that hangs fails the test by its timeout, not the suite."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import trainstream
+from conftest import Daemon
+
+import dist_worker
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is needed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, sockets: list[str], mode: str, out_dir: str, device: str = "cpu",
+         timeout: float = 240) -> list[dict]:
+    """Starts `world` ranks, waits for them (killing any left after `timeout`), returns the
+    surviving ranks' results by rank."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=dist_worker.main, args=(r, world, port, sockets, mode, out_dir, device))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} did not finish within {timeout} s"
+    out = []
+    for r in range(world):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        out.append(json.load(open(path)) if os.path.exists(path) else None)
+    return out
+
+
+def _daemon(directory) -> Daemon:
+    directory.mkdir()
+    return Daemon(directory)
+
+
+def _check_parity(results: list[dict], world: int, nodes: int, out_dir=None) -> None:
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} wrote no result"
+        assert "exception" not in res, f"rank {r}: {res['exception']}"
+        assert res["moved"] > 1e-3, "training changed nothing: the comparison would be vacuous"
+        assert res["max_diff"] <= 1e-6, f"rank {r}: parameters differ from DDP + AdamW by {res['max_diff']}"
+        # One job per node, holding every rank of the node as a session and one optimizer.
+        assert res["jobs"] == 1 and res["nodes"] == nodes
+        assert res["sessions"] == world // nodes == res["local_world"]
+        assert res["used_bytes"] == res["state_bytes"], (res["used_bytes"], res["state_bytes"])
+    assert len({res["job"] for res in results}) == 1
+    # One checkpoint per node, written by its first rank, holding the trained parameters.
+    writers = [res for res in results if "checkpoint_matches" in res]
+    assert len(writers) == nodes and all(res["checkpoint_matches"] for res in writers)
+    if out_dir is not None:
+        assert sorted(f for f in os.listdir(out_dir) if f.endswith(".state")) == [f"node{i}.state" for i in range(nodes)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_ddp_adamw_one_tsd(tmp_path, world):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(world, [d.socket] * world, "parity", str(out))
+        _check_parity(results, world, nodes=1, out_dir=str(out))
+        # The optimizer state exists once: one rank's plan (masters, 2 moments, slots) is all tsd holds.
+        with trainstream.connect(socket=d.socket) as c:
+            assert c.jobs() == []  # every rank unwrapped: the job is gone
+        assert "optimizer_joined" in d.log() and d.log().count("event=optimizer_registered") == 1
+    finally:
+        d.stop()
+
+
+def test_two_nodes_two_tsd_match_ddp(tmp_path):
+    a, b = _daemon(tmp_path / "a"), _daemon(tmp_path / "b")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(4, [a.socket, a.socket, b.socket, b.socket], "parity", str(out))
+        _check_parity(results, 4, nodes=2, out_dir=str(out))
+        for d in (a, b):
+            assert d.log().count("event=optimizer_registered") == 1
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_nodes_whose_states_diverge_stop_with_a_clear_error(tmp_path):
+    a, b = _daemon(tmp_path / "a"), _daemon(tmp_path / "b")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(4, [a.socket, a.socket, b.socket, b.socket], "diverge", str(out))
+        for r, res in enumerate(results):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["error"] is not None and "diverged at step 4" in res["error"], (r, res)
+            assert res["step"] == 3
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_killed_rank_fails_the_others_quickly(tmp_path):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(3, [d.socket] * 3, "kill", str(out), timeout=120)
+        assert results[2] is None  # killed before it wrote anything
+        for r in (0, 1):
+            res = results[r]
+            assert res is not None and "exception" not in res, res
+            assert res["error"] is not None, f"rank {r} stepped on without its peer"
+            assert res["step"] == 3
+            assert res["seconds"] < 10, f"rank {r} took {res['seconds']:.1f} s to notice"
+            # gloo's collective notices the dead peer, or tsd (which saw its session end) names it.
+            assert "Connection closed by peer" in res["error"] or "rank 2 of job" in res["error"], res["error"]
+            assert res["error"].startswith("TsdError: data-parallel step 4 failed on rank") or "tsd" in res["error"]
+    finally:
+        d.stop()
+
+
+def test_rank_killed_inside_step_fails_the_others_through_tsd(tmp_path):
+    """The dead rank's buckets were reduced but never delivered: the others wait on tsd, which saw
+    the rank's session end, failed the job's optimizer and says which rank was lost."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(3, [d.socket] * 3, "kill-in-tsd", str(out), timeout=120)
+        assert results[2] is None
+        for r in (0, 1):
+            res = results[r]
+            assert res is not None and "exception" not in res, res
+            assert res["error"] is not None and res["step"] == 3, res
+            assert "rank 2 of job" in res["error"] and "ended (disconnected)" in res["error"], res["error"]
+            assert res["seconds"] < 10, f"rank {r} took {res['seconds']:.1f} s to notice"
+        assert "event=optimizer_failed" in d.log()
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_one_gpu_gloo_match_ddp(tmp_path):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(2, [d.socket] * 2, "parity", str(out), device="cuda")
+        _check_parity(results, 2, nodes=1)
+    finally:
+        d.stop()
+
+
+def test_distributed_option_is_checked(tsd):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="distributed must be"):
+        trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, distributed="yes")
+    # True without a process group is refused; "auto" trains in one process.
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="distributed=True needs torch.distributed"):
+        trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, distributed=True)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, distributed="auto")
+    assert trainstream.unwrap_session(model).dp is None
+    trainstream.unwrap(model)
