@@ -47,7 +47,7 @@ def write_checkpoint(directory: str, seed: int = 0, **arch: Any) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16", **arch)
+    cfg = Qwen2Config(max_position_embeddings=4096, tie_word_embeddings=False, **arch)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     gen = torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 // Device copies of weight stores without a GPU (CI): the CUDA driver API is loaded at run time and
-// a missing or unusable driver is a clear status, never a crash or a link error; the driver types
-// tsd declares match cuda.h wherever the toolkit is installed; GPU UUIDs are parsed strictly;
+// a missing or unusable driver is a clear status, never a crash or a link error (the driver types
+// tsd declares are checked against cuda.h in cuda_abi_test.cc); GPU UUIDs are parsed strictly;
 // `gpu_stores` is off by default and, off or without a driver, a request for a device copy is
 // refused saying why while the host store keeps working. The GPU half (two processes mapping one
 // copy) is tests/python/test_gpu_stores.py.
@@ -10,19 +10,17 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "daemon/cuda/device_allocation.h"
+#include "daemon/cuda/device_mapping.h"
 #include "daemon/cuda/driver_api.h"
 #include "daemon/ops/config.h"
 #include "daemon/stores/device_copies.h"
 #include "daemon/stores/store_manager.h"
-
-#if __has_include(<cuda.h>)
-#include <cuda.h>
-#define TSD_TEST_HAVE_CUDA_H 1
-#endif
 
 namespace tsd {
 namespace {
@@ -82,42 +80,6 @@ TEST(GpuUuid, IsNormalisedToNvidiaSmisForm) {
     EXPECT_THAT(got.status().message(), HasSubstr("not a GPU UUID"));
   }
 }
-
-#ifdef TSD_TEST_HAVE_CUDA_H
-// The driver ABI tsd declares itself (so it builds without the toolkit) is cuda.h's.
-TEST(CudaDriverApi, TheDeclaredAbiMatchesCudaH) {
-  namespace abi = cuda::abi;
-  static_assert(sizeof(abi::CUmemAllocationProp) == sizeof(CUmemAllocationProp));
-  static_assert(offsetof(abi::CUmemAllocationProp, location) ==
-                offsetof(CUmemAllocationProp, location));
-  static_assert(offsetof(abi::CUmemAllocationProp, win32HandleMetaData) ==
-                offsetof(CUmemAllocationProp, win32HandleMetaData));
-  static_assert(offsetof(abi::CUmemAllocationProp, allocFlags) ==
-                offsetof(CUmemAllocationProp, allocFlags));
-  static_assert(sizeof(abi::CUmemAccessDesc) == sizeof(CUmemAccessDesc));
-  static_assert(offsetof(abi::CUmemAccessDesc, flags) == offsetof(CUmemAccessDesc, flags));
-  static_assert(sizeof(abi::CUmemLocation) == sizeof(CUmemLocation));
-  static_assert(sizeof(abi::CUuuid) == sizeof(CUuuid));
-  static_assert(sizeof(abi::CUdeviceptr) == sizeof(CUdeviceptr));
-  static_assert(sizeof(abi::CUmemGenericAllocationHandle) == sizeof(CUmemGenericAllocationHandle));
-  static_assert(abi::kSuccess == CUDA_SUCCESS);
-  static_assert(abi::kErrorInvalidValue == CUDA_ERROR_INVALID_VALUE);
-  static_assert(abi::kErrorOutOfMemory == CUDA_ERROR_OUT_OF_MEMORY);
-  static_assert(abi::kErrorNotSupported == CUDA_ERROR_NOT_SUPPORTED);
-  static_assert(abi::kAttrVirtualMemoryManagementSupported ==
-                CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED);
-  static_assert(abi::kAttrHandleTypePosixFdSupported ==
-                CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED);
-  static_assert(abi::kAllocationTypePinned == CU_MEM_ALLOCATION_TYPE_PINNED);
-  static_assert(abi::kHandleTypePosixFd == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  static_assert(abi::kLocationTypeDevice == CU_MEM_LOCATION_TYPE_DEVICE);
-  static_assert(abi::kAccessProtRead == CU_MEM_ACCESS_FLAGS_PROT_READ);
-  static_assert(abi::kAccessProtReadWrite == CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  static_assert(abi::kGranularityMinimum == CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-  static_assert(abi::kGranularityRecommended == CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
-  SUCCEED();
-}
-#endif
 
 absl::StatusOr<LoadedConfig> Load(std::vector<std::string> args) {
   args.insert(args.begin(), "tsd");
@@ -227,6 +189,82 @@ TEST_F(GpuStoresTest, OnWithoutADriverARequestIsRefusedSayingWhyAndTheDriverIsTr
   // The host store is untouched: a second job still maps it.
   EXPECT_EQ(OpenStore(m, 2, other), id);
   EXPECT_EQ(m.List()[0].users, 2u);
+}
+
+// The GPU half (skipped without one): what tsd exports, a process imports with the same bytes.
+std::shared_ptr<const cuda::DriverApi> GpuOrSkip() {
+  auto api = cuda::DriverApi::Shared();
+  if (!api.ok()) return nullptr;
+  auto count = (*api)->DeviceCount();
+  return count.ok() && *count > 0 ? *api : nullptr;
+}
+
+TEST(DeviceMemory, AnExportedCopyImportsWithTheStoresBytesAndAZeroTail) {
+  auto api = GpuOrSkip();
+  if (api == nullptr) GTEST_SKIP() << "needs a CUDA GPU and driver";
+  const uint64_t n = (3u << 20) + 5;
+  std::string host(n, '\0');
+  for (uint64_t i = 0; i < n; ++i) host[i] = static_cast<char>(i * 131 + 7);
+  auto alloc = cuda::DeviceAllocation::Create(api, 0, n);
+  ASSERT_TRUE(alloc.ok()) << alloc.status();
+  ASSERT_GE((*alloc)->size(), n);
+  ASSERT_TRUE((*alloc)->Fill(host.data(), n).ok());
+  auto fd = (*alloc)->Export();
+  ASSERT_TRUE(fd.ok()) << fd.status();
+  auto mapped = cuda::DeviceMapping::Import(api, *fd, (*alloc)->size(), 0);
+  close(*fd);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  std::cout << "device mapping read-only: " << (*mapped)->read_only() << " "
+            << (*mapped)->access_note() << "\n";
+  auto ctx = cuda::PrimaryContext::Retain(api, 0);
+  ASSERT_TRUE(ctx.ok());
+  auto scope = (*ctx)->Enter();
+  ASSERT_TRUE(scope.ok());
+  std::string back((*alloc)->size(), '\1');
+  ASSERT_TRUE(
+      api->Check(api->cuMemcpyDtoH(back.data(), (*mapped)->address(), back.size()), "cuMemcpyDtoH")
+          .ok());
+  EXPECT_EQ(back.substr(0, n), host);
+  EXPECT_EQ(back.substr(n), std::string(back.size() - n, '\0'));
+  // The daemon's allocation may go first: the importer's mapping keeps the memory.
+  alloc->reset();
+  std::string again(16, '\1');
+  ASSERT_TRUE(api->Check(api->cuMemcpyDtoH(again.data(), (*mapped)->address(), 16), "DtoH").ok());
+  EXPECT_EQ(again, host.substr(0, 16));
+}
+
+TEST_F(GpuStoresTest, OnAGpuJobsShareOneCopyThatFollowsTheStoresLifetime) {
+  auto api = GpuOrSkip();
+  if (api == nullptr) GTEST_SKIP() << "needs a CUDA GPU and driver";
+  auto uuid = api->UuidOf(0);
+  ASSERT_TRUE(uuid.ok());
+  stores::StoreManager m(ledger_, {.keep = absl::Hours(1), .gpu_stores = true});
+  const stores::StoreUser a{"a", 1}, b{"b", 1};
+  const uint64_t id = OpenStore(m, 1, a);
+  ASSERT_EQ(OpenStore(m, 2, b), id);
+  auto ca = m.OpenDeviceCopy(a, id, *uuid);
+  ASSERT_TRUE(ca.ok()) << ca.status();
+  auto cb = m.OpenDeviceCopy(b, id, uuid->substr(4));  // without "GPU-": the same GPU
+  ASSERT_TRUE(cb.ok()) << cb.status();
+  EXPECT_EQ(ca->size, cb->size);
+  EXPECT_EQ(ca->data_bytes, 4096u);
+  EXPECT_EQ(cb->gpu_uuid, *uuid);
+  close(ca->fd);
+  close(cb->fd);
+  auto copies = m.List()[0].device_copies;
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].users, 2u);
+  EXPECT_EQ(copies[0].gpu_uuid, *uuid);
+  EXPECT_EQ(m.Totals().device_bytes, copies[0].bytes);
+  ASSERT_TRUE(m.Close(a, id).ok());
+  EXPECT_EQ(m.List()[0].device_copies[0].users, 1u);
+  m.UserReleased(b);  // b died
+  copies = m.List()[0].device_copies;
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].users, 0u) << "kept warm like its store";
+  m.Sweep(absl::Now() + absl::Hours(2));
+  EXPECT_TRUE(m.List().empty());
+  EXPECT_EQ(m.Totals().device_bytes, 0u);
 }
 
 }  // namespace
