@@ -120,9 +120,11 @@ class Job:
     """A worker process driven line by line."""
 
     def __init__(self, socket: str, path: str, job: str, mode: str, seq: int) -> None:
+        # stderr to a file: a pipe nobody drains would stall a chatty worker.
+        self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", socket, path, job, mode,
                                       str(seq)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=self.err, text=True)
         self.name = job
         self.loaded = self._read("loaded")
 
@@ -132,7 +134,8 @@ class Job:
         while time.time() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
+                self.err.seek(0)
+                err = self.err.read()
                 raise RuntimeError(f"job {self.name} ended before '{key}': {err[-3000:]}")
             try:
                 msg = json.loads(line)
