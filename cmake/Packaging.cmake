@@ -11,7 +11,7 @@ install(FILES ${TSD_DEPLOY_DIR}/tsd.service DESTINATION lib/systemd/system)
 install(FILES ${TSD_DEPLOY_DIR}/tsd.toml DESTINATION /etc/tsd)
 install(FILES ${TSD_DEPLOY_DIR}/debian/profile.sh DESTINATION /etc/profile.d RENAME tsd.sh)
 install(FILES ${PROJECT_SOURCE_DIR}/README.md ${PROJECT_SOURCE_DIR}/docs/daemon.md
-              ${PROJECT_SOURCE_DIR}/docs/deploy.md
+              ${PROJECT_SOURCE_DIR}/docs/deploy.md ${TSD_DEPLOY_DIR}/gpu-stores.conf
         DESTINATION share/doc/tsd)
 
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)

@@ -170,7 +170,13 @@ int RunDaemon(const Config& config) {
   // The weight stores outlive the Registry, which tells them of every job it releases.
   stores::StoreManager stores(ledger, {.keep = config.store_keep_duration,
                                        .lock_memory = memlock.can_lock,
-                                       .isa = kernels::BestIsa()});
+                                       .isa = kernels::BestIsa(),
+                                       .gpu_stores = config.gpu_stores});
+  if (config.gpu_stores) {
+    spdlog::info(
+        "event=gpu_stores_on the CUDA driver is loaded when a job first asks for a "
+        "device copy");
+  }
   options.on_job_released = [&stores](const JobRef& job) {
     stores.UserReleased({job.name, job.instance});
   };
@@ -186,6 +192,8 @@ int RunDaemon(const Config& config) {
          static_cast<double>(t.users)},
         {"tsd_store_budget_bytes", "The weight stores' budget in bytes",
          static_cast<double>(t.budget_bytes)},
+        {"tsd_store_device_bytes", "Device memory of the stores' copies on GPUs (gpu_stores)",
+         static_cast<double>(t.device_bytes)},
         {"tsd_store_evictions", "Unused weight stores evicted for room since the daemon started",
          static_cast<double>(t.evictions)}};
   });

@@ -779,8 +779,12 @@ namespace tsd {
 namespace {
 
 StoreStatus FromInfo(const v1::StoreInfo& i) {
-  return StoreStatus{i.store_id(), i.source(), i.format(), i.block_size(), i.size_bytes(),
-                     i.users(),    i.idle_s(), i.digest(), i.tensors(),    i.locked()};
+  StoreStatus s{i.store_id(), i.source(), i.format(), i.block_size(), i.size_bytes(),
+                i.users(),    i.idle_s(), i.digest(), i.tensors(),    i.locked()};
+  for (const v1::DeviceCopyInfo& d : i.device_copies()) {
+    s.device_copies.push_back({d.gpu_uuid(), d.size_bytes(), d.users(), d.idle_s()});
+  }
+  return s;
 }
 
 }  // namespace
@@ -882,6 +886,33 @@ absl::Status Client::CloseStore(uint64_t store_id) {
   v1::SideRequest req;
   req.mutable_close_store()->set_store_id(store_id);
   return impl_->CallNoFd(std::move(req), "close_store").status();
+}
+
+absl::StatusOr<std::shared_ptr<DeviceStoreView>> Client::OpenDeviceStore(
+    uint64_t store_id, const std::string& gpu_uuid) {
+  // This process must be able to map it before tsd is asked to make it.
+  TSD_RETURN_IF_ERROR(GpuOrdinal(gpu_uuid).status());
+  std::pair<v1::SideReply, int> reply;
+  {
+    MutexLock lock(impl_->mu);
+    if (!impl_->attached) return impl_->NotAttached();
+    v1::SideRequest req;
+    req.mutable_open_device_store()->set_store_id(store_id);
+    req.mutable_open_device_store()->set_gpu_uuid(gpu_uuid);
+    // The first job on a GPU waits while tsd copies the store there.
+    TSD_ASSIGN_OR_RETURN(reply, impl_->Call(std::move(req), -1,
+                                            std::max(impl_->request_timeout, kMinStateTimeout),
+                                            "open_device_store"));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() {
+      if (fd >= 0) close(fd);
+    }
+  } closer{reply.second};
+  if (closer.fd < 0) return absl::InternalError("tsd's open_device_store reply carried no descriptor");
+  const v1::SideOpenDeviceStoreReply& r = reply.first.open_device_store();
+  return DeviceStoreView::Map(store_id, r.gpu_uuid(), closer.fd, r.size_bytes(), r.data_bytes());
 }
 
 absl::StatusOr<std::vector<StoreStatus>> Client::Stores() {

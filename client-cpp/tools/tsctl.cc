@@ -94,6 +94,13 @@ int PrintStores(tsd::Client& client, bool json) {
   if (json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& s : *stores) {
+      nlohmann::json devices = nlohmann::json::array();
+      for (const auto& d : s.device_copies) {
+        devices.push_back({{"gpu_uuid", d.gpu_uuid},
+                           {"bytes", d.bytes},
+                           {"users", d.users},
+                           {"idle_s", d.idle_s}});
+      }
       out.push_back({{"id", s.id},
                      {"source", s.source},
                      {"format", s.format},
@@ -102,7 +109,8 @@ int PrintStores(tsd::Client& client, bool json) {
                      {"users", s.users},
                      {"idle_s", s.idle_s},
                      {"digest", s.digest},
-                     {"tensors", s.tensors}});
+                     {"tensors", s.tensors},
+                     {"device_copies", devices}});
     }
     std::cout << out.dump() << "\n";
     return 0;
@@ -115,6 +123,13 @@ int PrintStores(tsd::Client& client, bool json) {
     std::printf("%6llu %-6s %12s %6u %8s  %s\n", static_cast<unsigned long long>(s.id),
                 format.c_str(), tsd::wire::FormatBytes(s.bytes).c_str(), s.users, idle.c_str(),
                 s.source.c_str());
+    for (const auto& d : s.device_copies) {  // copies in VRAM (gpu_stores)
+      const std::string didle =
+          d.users > 0 ? "-" : std::to_string(static_cast<int>(d.idle_s)) + "s";
+      std::printf("%6s %-6s %12s %6u %8s  on %s\n", "", "vram",
+                  tsd::wire::FormatBytes(d.bytes).c_str(), d.users, didle.c_str(),
+                  d.gpu_uuid.c_str());
+    }
   }
   return 0;
 }

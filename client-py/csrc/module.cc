@@ -12,6 +12,10 @@
 //   * Store: a weight store (tsd/store.h) mapped here read-only, its tensor table, and byte views
 //     over it as torch uint8 tensors (no copies; the mapping lives while a view does). Writing
 //     through such a view faults: callers copy what they will modify.
+//   * DeviceStore: a store's device copy (tsd/device_store.h, tsd's gpu_stores) mapped here on one
+//     GPU, with byte views as CUDA uint8 tensors over the device memory (torch::for_blob with the
+//     GPU as target device, no copies; the mapping lives while a view does). The CUDA driver is
+//     loaded at run time by tsclient, so this still builds and imports without a GPU.
 //   * DTYPES (name -> bytes: the dtypes tsd's optimizer takes), PAGE_BYTES and
 //     control_page_bytes(groups, buckets), taken from the C++ headers, so Python keeps no copy.
 // Errors are absl::Status values; they cross into Python as trainstream's TsdError subclasses
@@ -117,6 +121,28 @@ torch::Tensor StoreBytes(const StoreHandle& h, uint64_t offset, uint64_t nbytes)
       [keep](void*) mutable { keep.reset(); }, torch::TensorOptions().dtype(torch::kUInt8));
 }
 
+// A store's device copy mapped here; byte views hold a reference to the mapping.
+struct DeviceStoreHandle {
+  std::shared_ptr<tsd::DeviceStoreView> view;
+};
+
+torch::Tensor DeviceStoreBytes(const DeviceStoreHandle& h, uint64_t offset, uint64_t nbytes) {
+  const uint64_t size = h.view->data_bytes();
+  if (offset > size || nbytes > size - offset) {
+    Throw(absl::OutOfRangeError("bytes [" + std::to_string(offset) + ", +" +
+                                std::to_string(nbytes) + ") are outside the device copy of store " +
+                                std::to_string(h.view->store_id()) + " (" + std::to_string(size) +
+                                " bytes)"));
+  }
+  auto keep = h.view;
+  return torch::for_blob(reinterpret_cast<void*>(h.view->address() + offset),
+                         {static_cast<int64_t>(nbytes)})
+      .deleter([keep](void*) mutable { keep.reset(); })
+      .options(torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, h.view->device()))
+      .target_device(c10::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(h.view->device())))
+      .make_tensor();
+}
+
 py::dict StoreStatusDict(const tsd::StoreStatus& s) {
   py::dict d;
   d["id"] = s.id;
@@ -128,6 +154,16 @@ py::dict StoreStatusDict(const tsd::StoreStatus& s) {
   d["idle_s"] = s.idle_s;
   d["digest"] = s.digest;
   d["tensors"] = s.tensors;
+  py::list devices;
+  for (const tsd::DeviceCopyStatus& c : s.device_copies) {
+    py::dict dc;
+    dc["gpu_uuid"] = c.gpu_uuid;
+    dc["bytes"] = c.bytes;
+    dc["users"] = c.users;
+    dc["idle_s"] = c.idle_s;
+    devices.append(dc);
+  }
+  d["device_copies"] = devices;
   return d;
 }
 
@@ -467,6 +503,24 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def("bytes", &StoreBytes, py::arg("offset"), py::arg("nbytes"));
 
+  py::class_<DeviceStoreHandle>(m, "DeviceStore")
+      .def_property_readonly("store_id",
+                             [](const DeviceStoreHandle& h) { return h.view->store_id(); })
+      .def_property_readonly("gpu_uuid",
+                             [](const DeviceStoreHandle& h) { return h.view->gpu_uuid(); })
+      .def_property_readonly("device", [](const DeviceStoreHandle& h) { return h.view->device(); })
+      .def_property_readonly("size", [](const DeviceStoreHandle& h) { return h.view->size(); })
+      .def_property_readonly("data_bytes",
+                             [](const DeviceStoreHandle& h) { return h.view->data_bytes(); })
+      .def_property_readonly("read_only",
+                             [](const DeviceStoreHandle& h) { return h.view->read_only(); })
+      .def_property_readonly("access_note",
+                             [](const DeviceStoreHandle& h) { return h.view->access_note(); })
+      .def("bytes", &DeviceStoreBytes, py::arg("offset"), py::arg("nbytes"));
+  m.def(
+      "gpu_uuid", [](int ordinal) { return Value(tsd::GpuUuid(ordinal)); }, py::arg("ordinal"),
+      "The UUID of CUDA device `ordinal` of this process, as nvidia-smi -L shows it.");
+
   py::class_<tsd::Client, ClientPtr>(m, "Client")
       .def_static(
           "connect",
@@ -629,6 +683,17 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("files"), py::arg("format") = "none", py::arg("block_size") = 64,
           py::arg("tensors") = std::vector<std::pair<std::string, bool>>{})
+      .def(
+          "open_device_store",
+          [](tsd::Client& c, uint64_t id, const std::string& gpu_uuid) {
+            DeviceStoreHandle h;
+            {
+              py::gil_scoped_release release;
+              h.view = Value(c.OpenDeviceStore(id, gpu_uuid));
+            }
+            return h;
+          },
+          py::arg("store_id"), py::arg("gpu_uuid"))
       .def(
           "close_store",
           [](tsd::Client& c, uint64_t id) {

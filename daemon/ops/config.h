@@ -38,7 +38,8 @@ struct Config {
   int max_regions_per_uid = 0;
   std::string store_budget;  // as given: a size, or a share of the pool
   std::string store_keep;    // how long an unused weight store is kept
-  std::string config_path;  // the file that was read, or empty
+  bool gpu_stores = false;   // keep device copies of stores on the GPUs jobs ask for
+  std::string config_path;   // the file that was read, or empty
   // The command line LoadConfig parsed (argv[0] first): a reload (SIGHUP) parses it again, so
   // flags keep winning over the file that is re-read.
   std::vector<std::string> args;

@@ -143,6 +143,14 @@ const std::vector<Setting>& Settings() {
        .field = &Config::store_keep,
        .default_value = "10m",
        .reload = R::kRestart},
+      {.key = "gpu_stores",
+       .flag = "--gpu-stores",
+       .help = "keep device copies of weight stores on the GPUs jobs ask for and share them as "
+               "CUDA descriptors (needs the NVIDIA driver and access to /dev/nvidia*)",
+       .type = T::kBool,
+       .field = &Config::gpu_stores,
+       .default_value = "false",
+       .reload = R::kRestart},
   };
   return *settings;
 }

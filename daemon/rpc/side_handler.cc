@@ -50,6 +50,8 @@ const char* KindName(const v1::SideRequest& r) {
       return "open_store";
     case v1::SideRequest::kCloseStore:
       return "close_store";
+    case v1::SideRequest::kOpenDeviceStore:
+      return "open_device_store";
     case v1::SideRequest::kCheckpoint:
       return "checkpoint";
     case v1::SideRequest::KIND_NOT_SET:
@@ -129,7 +131,7 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
                             "side request ", request.request_id(),
                             " names no request (attach, alloc, free, list_regions, get_fd, "
                             "detach, register_optimizer, save_state, load_state, store_file, "
-                            "open_store or close_store)")));
+                            "open_store, close_store or open_device_store)")));
     out.close = caller.session_id == 0;
     out.close_reason = "empty_request";
     return out;
@@ -229,7 +231,8 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     }
     case v1::SideRequest::kStoreFile:
     case v1::SideRequest::kOpenStore:
-    case v1::SideRequest::kCloseStore: {
+    case v1::SideRequest::kCloseStore:
+    case v1::SideRequest::kOpenDeviceStore: {
       const int taken = std::exchange(closer.fd, -1);
       if (absl::Status s = Store(sid, request, taken, out); !s.ok()) SetError(out.reply, s);
       break;

@@ -21,6 +21,13 @@ void Fill(v1::StoreInfo& info, const stores::StoreStatus& s) {
   info.set_digest(s.digest);
   info.set_tensors(s.tensors);
   info.set_locked(s.locked);
+  for (const stores::DeviceCopyStatus& d : s.device_copies) {
+    v1::DeviceCopyInfo* c = info.add_device_copies();
+    c->set_gpu_uuid(d.gpu_uuid);
+    c->set_size_bytes(d.bytes);
+    c->set_users(d.users);
+    c->set_idle_s(d.idle_s);
+  }
 }
 
 }  // namespace
@@ -40,6 +47,20 @@ absl::Status SideHandler::Store(uint64_t session_id, const v1::SideRequest& requ
   const stores::StoreUser user{job.name, job.instance};
   if (request.has_store_file()) {
     return stores_->StageFile(session_id, user, std::exchange(closer.fd, -1));
+  }
+  if (request.has_open_device_store()) {
+    const v1::SideOpenDeviceStore& want = request.open_device_store();
+    TSD_ASSIGN_OR_RETURN(
+        stores::OpenedDeviceCopy copy,
+        stores_->OpenDeviceCopy(user, want.store_id(), want.gpu_uuid().substr(0, 128)));
+    auto* reply = out.reply.mutable_open_device_store();
+    reply->set_store_id(want.store_id());
+    reply->set_gpu_uuid(copy.gpu_uuid);
+    reply->set_size_bytes(copy.size);
+    reply->set_data_bytes(copy.data_bytes);
+    reply->set_kind(v1::CUDA_VMM_FD);
+    out.fd = copy.fd;
+    return absl::OkStatus();
   }
   if (request.has_close_store()) {
     TSD_RETURN_IF_ERROR(stores_->Close(user, request.close_store().store_id()));

@@ -24,6 +24,9 @@ namespace {
 
 constexpr const char* kLabel = "data";  // the one charge of a store in the ledger
 
+// A user's name among a device copy's users.
+std::string UserKey(const StoreUser& user) { return absl::StrCat(user.job, "#", user.instance); }
+
 void CloseAll(std::vector<SourceFile>& files) {
   for (SourceFile& f : files) {
     if (f.fd >= 0) close(f.fd);
@@ -88,7 +91,12 @@ absl::Status CheckSpec(const StoreSpec& spec) {
 }  // namespace
 
 StoreManager::StoreManager(Ledger& ledger, StoreManagerOptions options)
-    : ledger_(ledger), options_(options), keep_(options.keep) {
+    : ledger_(ledger),
+      options_(options),
+      keep_(options.keep),
+      device_copies_(options.gpu_stores,
+                     options.gpu_driver ? options.gpu_driver
+                                        : DeviceCopies::DriverLoader(&cuda::DriverApi::Shared)) {
   sweeper_ = std::thread([this] { SweeperLoop(); });
 }
 
@@ -333,6 +341,7 @@ StoreStatus StoreManager::StatusOf(const Store& store, absl::Time now) const {
   s.digest = store.digest;
   s.tensors = static_cast<uint32_t>(store.tensors.size());
   s.locked = store.memory != nullptr && store.memory->locked();
+  s.device_copies = device_copies_.Of(store.id);
   return s;
 }
 
@@ -363,6 +372,7 @@ void StoreManager::DropLocked(const StorePtr& store, const char* reason,
     spdlog::error("event=ledger_mismatch store={} error=\"{}\"", store->id,
                   std::string(s.message()));
   }
+  device_copies_.DropStore(store->id, reason);
   spdlog::info("event=store_dropped store={} source=\"{}\" bytes={} reason={}", store->id,
                store->source, store->bytes, reason);
   dead.push_back(store);
@@ -397,12 +407,31 @@ absl::Status StoreManager::Close(const StoreUser& user, uint64_t id) {
         absl::StrCat("job '", user.job, "' does not use store ", id, "; see tsctl stores"));
   }
   StorePtr store = it->second;
+  device_copies_.Leave(id, UserKey(user));
   if (store->users.empty()) LeftLocked(store, dead);
   return absl::OkStatus();
 }
 
+absl::StatusOr<OpenedDeviceCopy> StoreManager::OpenDeviceCopy(const StoreUser& user, uint64_t id,
+                                                              const std::string& gpu_uuid) {
+  StorePtr store;
+  {
+    MutexLock lock(mu_);
+    auto it = stores_.find(id);
+    if (it == stores_.end() || it->second->state != State::kReady ||
+        it->second->users.count(user) == 0) {
+      return absl::NotFoundError(
+          absl::StrCat("job '", user.job, "' does not use store ", id,
+                       "; open the store (open_store) before asking for its device copy"));
+    }
+    store = it->second;  // keeps its host memory while the copy is made
+  }
+  return device_copies_.Open(id, UserKey(user), store->memory->data(), store->bytes, gpu_uuid);
+}
+
 void StoreManager::UserReleased(const StoreUser& user) {
   std::vector<StorePtr> dead;
+  device_copies_.UserReleased(UserKey(user));
   MutexLock lock(mu_);
   for (auto it = staged_.begin(); it != staged_.end();) {
     if (it->second.user == user) {
@@ -443,6 +472,7 @@ void StoreManager::Sweep(absl::Time now) {
     }
   }
   for (const StorePtr& s : expired) DropLocked(s, "keep_expired", dead);
+  device_copies_.Sweep(now, keep_);
 }
 
 void StoreManager::SetKeep(absl::Duration keep) {
@@ -487,6 +517,7 @@ StoreTotals StoreManager::Totals() const {
     }
     t.evictions = evictions_;
   }
+  t.device_bytes = device_copies_.TotalBytes();
   t.budget_bytes = ledger_.View().store_budget_bytes;
   return t;
 }

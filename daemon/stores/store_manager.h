@@ -41,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/memory/ledger.h"
+#include "daemon/stores/device_copies.h"
 #include "daemon/stores/sealed_memory.h"
 #include "daemon/stores/store_builder.h"
 #include "kernels/cpu/adamw.h"
@@ -49,11 +50,13 @@
 namespace tsd::stores {
 
 struct StoreManagerOptions {
-  absl::Duration keep = absl::Minutes(10);        // how long an unused store is kept
-  absl::Duration build_wait = absl::Minutes(10);  // how long a request waits for another's build
-  bool lock_memory = false;                       // mlock() stores in the daemon
-  kernels::Isa isa = kernels::Isa::kScalar;       // of the quantize kernels
-  size_t max_staged_files = 1024;                 // per session
+  absl::Duration keep = absl::Minutes(10);          // how long an unused store is kept
+  absl::Duration build_wait = absl::Minutes(10);    // how long a request waits for another's build
+  bool lock_memory = false;                         // mlock() stores in the daemon
+  kernels::Isa isa = kernels::Isa::kScalar;         // of the quantize kernels
+  size_t max_staged_files = 1024;                   // per session
+  bool gpu_stores = false;                          // device copies (the `gpu_stores` setting)
+  DeviceCopies::DriverLoader gpu_driver = nullptr;  // loads the CUDA driver; null: libcuda.so.1
 };
 
 // A job using stores: its name and instance (a job re-created under the same name is another).
@@ -75,6 +78,7 @@ struct StoreStatus {
   std::string digest;
   uint32_t tensors = 0;
   bool locked = false;
+  std::vector<DeviceCopyStatus> device_copies;  // with gpu_stores: its copies in VRAM
 };
 
 // A store as a job gets it: a read-only descriptor (owned by the caller) and the tensor table.
@@ -91,7 +95,8 @@ struct StoreTotals {
   uint64_t bytes = 0;
   uint64_t users = 0;
   uint64_t budget_bytes = 0;
-  uint64_t evictions = 0;  // since the daemon started
+  uint64_t evictions = 0;     // since the daemon started
+  uint64_t device_bytes = 0;  // device memory of the stores' copies on GPUs
 };
 
 class StoreManager final {
@@ -110,6 +115,11 @@ class StoreManager final {
       ABSL_LOCKS_EXCLUDED(mu_);
   // `user` stops using store `id` (NOT_FOUND when it does not use it).
   absl::Status Close(const StoreUser& user, uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The copy of store `id`, which `user` uses, on GPU `gpu_uuid` (daemon/stores/device_copies.h),
+  // made now if there is none. FAILED_PRECONDITION when gpu_stores is off or no GPU is usable.
+  absl::StatusOr<OpenedDeviceCopy> OpenDeviceCopy(const StoreUser& user, uint64_t id,
+                                                  const std::string& gpu_uuid)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // `user` was released: it uses no store from now on, and its staged files are closed.
   void UserReleased(const StoreUser& user) ABSL_LOCKS_EXCLUDED(mu_);
   // Evicts unused stores, least recently used first, until `bytes` fit in the pool or none is
@@ -179,6 +189,7 @@ class StoreManager final {
   std::map<std::string, StorePtr> by_key_ ABSL_GUARDED_BY(mu_);     // identity -> store
   std::map<std::string, StorePtr> by_digest_ ABSL_GUARDED_BY(mu_);  // ready stores only
   std::map<uint64_t, Staged> staged_ ABSL_GUARDED_BY(mu_);          // by session
+  DeviceCopies device_copies_;  // before sweeper_: the sweeper uses it
   std::thread sweeper_;
 };
 

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tsd/device_store.h"
 #include "tsd/store.h"
 
 namespace tsd {
@@ -202,6 +203,10 @@ class Client final {
                                                           const StoreSpec& spec);
   // The job stops using store `store_id` (the store is kept warm for store_keep, then dropped).
   absl::Status CloseStore(uint64_t store_id);
+  // The device copy of store `store_id` (opened with OpenStore) on the GPU `gpu_uuid`, mapped here
+  // (tsd/device_store.h); tsd must run with gpu_stores = true.
+  absl::StatusOr<std::shared_ptr<DeviceStoreView>> OpenDeviceStore(uint64_t store_id,
+                                                                   const std::string& gpu_uuid);
   // Every complete store of the node (metadata only; needs no session).
   absl::StatusOr<std::vector<StoreStatus>> Stores();
 

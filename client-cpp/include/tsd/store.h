@@ -43,6 +43,14 @@ struct StoreTensorView {
   uint64_t absmax_count = 0;
 };
 
+// A store's copy on one GPU (tsd's gpu_stores; tsd/device_store.h).
+struct DeviceCopyStatus {
+  std::string gpu_uuid;
+  uint64_t bytes = 0;  // device memory held
+  uint32_t users = 0;
+  double idle_s = 0;
+};
+
 // A store as `Client::Stores` (and `tsctl stores`) reports it.
 struct StoreStatus {
   uint64_t id = 0;
@@ -55,6 +63,7 @@ struct StoreStatus {
   std::string digest;  // of the checkpoint's content
   uint32_t tensors = 0;
   bool locked = false;
+  std::vector<DeviceCopyStatus> device_copies = {};
 };
 
 // A store mapped read-only into this process. Destroying it unmaps it; the job keeps using the
