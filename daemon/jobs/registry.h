@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/memory/ledger.h"
+#include "daemon/memory/numa_topology.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -58,6 +59,9 @@ struct RegistryOptions {
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
+  // The host's NUMA nodes (not owned; may be null). With two nodes or more, a job whose GPU is
+  // known (PlaceJob) gets its new regions on that GPU's node.
+  const NumaTopology* numa = nullptr;
   // The node's ledger, shared with the stores (not owned; it must outlive the Registry). Null:
   // the Registry keeps a ledger of its own, of pool_bytes and no store budget.
   Ledger* ledger = nullptr;
@@ -158,6 +162,11 @@ class Registry final {
   absl::Status InstallOptimizer(uint64_t session_id, const JobRef& job,
                                 const std::vector<uint64_t>& region_ids,
                                 const OptimizerFactory& make);
+  // Places the session's job on the NUMA node of the GPU at `pci_bus_id` (as the client sent it),
+  // unless the job is placed already (the first GPU named decides). Returns the job's node (-1:
+  // none). INVALID_ARGUMENT for a malformed address, changing nothing; on a host of one node, or
+  // when sysfs does not know the device (logged, with why), the job stays unplaced.
+  absl::StatusOr<int> PlaceJob(uint64_t session_id, const std::string& pci_bus_id);
   // --- end of optimizer registration -----------------------------------------------------------
   // --- Kept jobs (daemon/jobs/keep.cc) ----------------------------------------------------------
   // The job's optimizer, for a session that attached with resume, after `check(kept plan)`
@@ -229,6 +238,7 @@ class Registry final {
     absl::Duration keep_for = absl::ZeroDuration();  // asked at attach (AttachOptions)
     std::shared_ptr<JobOptimizer> optimizer;
     uint64_t optimizer_session = 0;  // the session that registered it (closed if it fails)
+    int numa_node = -1;              // where its regions go (PlaceJob); -1: anywhere
   };
   // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their
   // threads), then the regions they worked in.

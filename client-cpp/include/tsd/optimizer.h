@@ -64,6 +64,9 @@ struct OptimizerSpec {
   // Refused with a clear error (tsd's AdamW does not implement them).
   bool amsgrad = false;
   bool maximize = false;
+  // The PCI address of the GPU this trainer uses ("0000:c1:00.0"), or empty: on a host of several
+  // NUMA nodes tsd places the job's optimizer threads and memory on that GPU's node.
+  std::string pci_bus_id;
 };
 
 // Where a resumed optimizer stands (Client::ResumeOptimizer): tsd finished every delivery the
