@@ -31,6 +31,7 @@ import torch
 from . import planner, resume
 from .client import Client
 from .engine import ParamSlots, Session
+from ._topology import gpu_pci_bus_id
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
 from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
@@ -357,7 +358,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
             plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
         else:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
-                handle = client._register_optimizer(**prep.request(plan.moment_dtype))
+                bus_id = gpu_pci_bus_id(device)  # NUMA placement in tsd (none on a CPU)
+                handle = client._register_optimizer(**prep.request(plan.moment_dtype),
+                                                    **({"pci_bus_id": bus_id} if bus_id else {}))
     except BaseException:
         if owns_client:
             client.close()

@@ -385,7 +385,7 @@ TEST_F(RegistryNumaTest, OneNodeOrNoTopologyPlacesNothingButStillChecksTheAddres
   sys.Device("0000:c1:00.0", "0\n");
   auto one = NumaTopology::Load(sys.root());
   ASSERT_TRUE(one.ok());
-  for (const NumaTopology* numa : {&*one, static_cast<const NumaTopology*>(nullptr)}) {
+  for (const NumaTopology* numa : std::vector<const NumaTopology*>{&*one, nullptr}) {
     auto reg = Make(numa);
     auto s = reg->Attach("train", 0, getuid(), getpid());
     ASSERT_TRUE(s.ok());
