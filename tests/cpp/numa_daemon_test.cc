@@ -161,8 +161,12 @@ TEST(NumaDaemon, AJobIsPlacedOnItsGpusNode) {
   std::set<std::string> seen;
   for (const auto& j : jobs) {
     seen.insert(j["name"].get<std::string>());
-    if (j["name"] == "placed") EXPECT_EQ(j["numa_node"], 1);
-    if (j["name"] == "plain") EXPECT_TRUE(j["numa_node"].is_null());
+    if (j["name"] == "placed") {
+      EXPECT_EQ(j["numa_node"], 1);
+    }
+    if (j["name"] == "plain") {
+      EXPECT_TRUE(j["numa_node"].is_null());
+    }
   }
   EXPECT_EQ(seen, (std::set<std::string>{"placed", "plain"}));
   std::error_code ec;
@@ -170,7 +174,7 @@ TEST(NumaDaemon, AJobIsPlacedOnItsGpusNode) {
 }
 
 TEST(NumaDaemon, WithoutAUsableTopologyNothingIsPlaced) {
-  for (const std::string root : {std::string("/nonexistent-sysfs"), std::string("/sys")}) {
+  for (const std::string& root : {std::string("/nonexistent-sysfs"), std::string("/sys")}) {
     auto d = DaemonProcess::Start({.args = {"--pool-size", "256MiB", "--sysfs-root", root}});
     ASSERT_TRUE(d);
     if (root == "/sys" && d->log().find("placement=on") != std::string::npos) {

@@ -223,7 +223,9 @@ TEST(NumaTopology, TheRealSysfsParses) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
   const std::set<int> cpus(t->nodes()[0].cpus.begin(), t->nodes()[0].cpus.end());
   for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) EXPECT_EQ(cpus.count(c), 1u) << "CPU " << c;
+    if (CPU_ISSET(c, &allowed)) {
+      EXPECT_EQ(cpus.count(c), 1u) << "CPU " << c;
+    }
   }
 }
 
