@@ -45,6 +45,15 @@ device (NVML, sampled, less what was in use before), host memory as PSS of the t
 (sampled; tsd's regions counted once) beside tsd's own used_bytes, peak RSS (wait4), and for tsd
 modes where a step's time goes (GPU forward and backward from CUDA events, the wall time step()
 waits for the daemon). A table of this run is printed at the end.
+
+Host side (bench/stream.py): tsd modes record the host memory bytes per trained parameter per step
+(AdamW's reads and writes, clipping's second read of the gradients, the PCIe copies, from the
+dtypes) and the paging traffic; on a GPU run with tsd modes (or with --stream on), bench/stream_bench
+(--stream-bin; beside the tsd binary or in build/bin) measures the host's STREAM bandwidth with
+non-temporal stores in the same run (recorded as mode "stream"), and the end prints each tsd mode's
+bound, max(GPU forward + backward, host bytes per step / STREAM). --loader-workers N feeds the random tokens
+through a torch DataLoader with N worker processes (the tsd modes' step then includes waiting for
+it, recorded as data_wait_ms), to measure a trainer whose loader workers share the CPUs with tsd.
 """
 from __future__ import annotations
 
@@ -64,6 +73,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import benchlib  # noqa: E402
+import stream  # noqa: E402
 
 TSD_MODES = ("tsd", "tsd_bf16", "tsd_bf16m", "tsd_bf16_act", "tsd_bf16m_act", "tsd_lora", "tsd_qlora")
 PEER_MODES = ("stock", "fsdp2_offload", "lora_stock")
@@ -290,6 +300,10 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         clip = (lambda: torch.nn.utils.clip_grad_norm_(trained, a.clip)) if a.clip else None
     setup_s = time.time() - t0
     ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
+    loader = iter(random_token_loader(a, vocab)) if a.loader_workers else None
+    data_ms: list[float] = []
+    act_pager = getattr(session, "act_pager", None)
+    act_paged: list[int] = []  # the activation pager's cumulative bytes, before each step
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
@@ -298,6 +312,10 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     for _ in range(a.steps):
         sync()
         t = time.perf_counter()
+        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        if loader is not None:  # the next batch from the workers (the wait counts in the step)
+            ids = next(loader).to(a.device, non_blocking=True)
+            data_ms.append((time.perf_counter() - t) * 1e3)
         if cuda:
             ev[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -336,6 +354,20 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
             held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
     pager = getattr(session, "pager", None)
     handle = getattr(session, "handle", None)
+    host: dict[str, Any] = {}
+    if session is not None:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        moments = str(getattr(opt, "moment_dtype", moment_dtype))
+        per = stream.host_bytes_per_param(trained[0].element_size() if trained else 4,
+                                          trained[0].element_size() if trained else 4,
+                                          2 if moments == "bfloat16" else 4, bool(a.clip))
+        n_trained = sum(p.numel() for p in trained)
+        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
+        paging = 2 * med([float(x) for x in act_steps]) if act_steps else 0.0  # out and back
+        paging += pager.moved_bytes / a.steps if pager is not None else 0.0
+        host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
+                    paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
     events = list(getattr(session, "events", []) or [])
     print("@@" + json.dumps(dict(
         mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()), batch=a.batch, seq=a.seq,
@@ -350,12 +382,93 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
         plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
-        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt)),
+        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,
+        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)),
         flush=True)
     if session is not None:
         import trainstream
 
         trainstream.unwrap(model)
+
+
+class RandomTokens:
+    """An endless stream of random token batches (what the benchmark trains on), made in a
+    DataLoader's worker processes: each worker draws from its own seed."""
+
+    def __init__(self, vocab: int, batch: int, seq: int) -> None:
+        self.vocab, self.batch, self.seq = vocab, batch, seq
+
+    def __iter__(self) -> Any:
+        import torch
+
+        g = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+        while True:
+            yield torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+
+
+def random_token_loader(a: argparse.Namespace, vocab: int) -> Any:
+    """--loader-workers: a torch DataLoader of `a.loader_workers` worker processes (pinned batches
+    on a GPU run), as a trainer's input pipeline would be."""
+    import torch.utils.data as tud
+
+    class RandomTokenDataset(RandomTokens, tud.IterableDataset):  # type: ignore[misc]
+        pass
+
+    dataset = RandomTokenDataset(vocab, a.batch, a.seq)
+    return tud.DataLoader(dataset, batch_size=None, num_workers=a.loader_workers, pin_memory=a.device == "cuda",
+                          persistent_workers=True, prefetch_factor=2)
+
+
+def measure_stream(a: argparse.Namespace, rec: benchlib.Recorder) -> Optional[dict[str, Any]]:
+    """STREAM in this run (bench/stream_bench, non-temporal stores): recorded as mode "stream",
+    returned for the bounds; None (recorded as skipped) without the binary or when it fails."""
+    binary = stream.find_binary(a.stream_bin, a.tsd_bin or os.environ.get("TSD_BIN"), ROOT)
+    work = {"device": "host", "kernels": "copy,scale,add,triad; ordinary and non-temporal stores"}
+    if binary is None:
+        rec.record("stream", work, {}, status="skipped", reason="no stream_bench: build it (ninja stream_bench) "
+                   "or pass --stream-bin")
+        return None
+    try:
+        got = stream.measure(binary, array_mib=a.stream_mib)
+    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+        rec.record("stream", work, {}, status="failed", reason=str(e)[-1500:])
+        return None
+    values = {k: v for k, v in got.items() if k.endswith("_gbs")}
+    values["bandwidth_gbs"] = stream.bandwidth_gbs(got)
+    rec.record("stream", {**work, "threads": got.get("threads"), "array_mib": got.get("array_mib")}, values,
+               extra={"raw": got})
+    print("@@" + json.dumps({"mode": "stream", **values}), flush=True)
+    return values
+
+
+def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list[str]:
+    """Each tsd mode's bound in this run: max(the GPU's forward + backward, its host bytes per step
+    / the STREAM bandwidth), beside its measured step (medians over the run's repeats). The GPU part
+    is stock's forward + backward when its records carry them, else the mode's own (CUDA events)."""
+    def median(xs: list[float]) -> Optional[float]:
+        return sorted(xs)[len(xs) // 2] if xs else None
+
+    def fwd_bwd(vals: list[dict[str, Any]]) -> Optional[float]:
+        return median([(v["gpu_forward_ms"] + v["gpu_backward_ms"]) / 1e3 for v in vals
+                       if "gpu_forward_ms" in v and "gpu_backward_ms" in v])
+
+    ok = [r for r in records if r.get("status") == "ok"]
+    stock_fb = fwd_bwd([r["values"] for r in ok if r["mode"] == "stock"])
+    bw = float(measured["bandwidth_gbs"])
+    out = [f"bound = max(GPU forward+backward ({'stock: %.3f s' % stock_fb if stock_fb else 'the mode own'}), "
+           f"host bytes per step / STREAM {bw:.1f} GB/s)"]
+    for mode in dict.fromkeys(r["mode"] for r in ok if base_mode(r["mode"])[0] in TSD_MODES):
+        vals = [r["values"] for r in ok if r["mode"] == mode and "host_bytes_per_step" in r["values"]]
+        if not vals:
+            continue
+        host_bytes = median([v["host_bytes_per_step"] for v in vals]) or 0.0
+        fb = stock_fb if stock_fb else (fwd_bwd(vals) or 0.0)
+        bound = stream.bound_s(fb, host_bytes, bw)
+        step = median([v["step_s_median"] for v in vals])
+        out.append(f"  {mode}: {vals[0]['host_bytes_per_param']} B/param, host {host_bytes / (bw * 1e9):.3f} s, "
+                   f"GPU {fb:.3f} s, bound {bound:.3f} s"
+                   + (f", step {step:.3f} s ({step / bound:.2f}x the bound)" if step and bound else ""))
+    return out
 
 
 def run_capped() -> None:
@@ -404,7 +517,8 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []),
-            *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction]
+            *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction,
+            *(["--loader-workers", str(a.loader_workers)] if a.loader_workers else [])]
 
 
 def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
@@ -421,7 +535,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
                  **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
                  **({"offload": a.offload} if a.offload != "true" else {}),
                  **({"load_model": True} if a.load_model and mode in ("tsd_lora", "tsd_qlora") else {}),
-                 **({"optimizer_gpu_fraction": a.gpu_fraction} if a.gpu_fraction not in ("0", "0.0") else {}))
+                 **({"optimizer_gpu_fraction": a.gpu_fraction} if a.gpu_fraction not in ("0", "0.0") else {}),
+                 **({"loader_workers": a.loader_workers} if a.loader_workers else {}))
     return w
 
 
@@ -429,7 +544,9 @@ VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
               "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",
-              "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib"}
+              "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib",
+              "host_bytes_per_param": "host_bytes_per_param", "host_bytes_per_step": "host_bytes_per_step",
+              "data_wait_ms": "data_wait_ms"}
 
 
 def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:
@@ -505,6 +622,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--peers", default=None, help="the folder of peers.py and offload_peers.py (or peers.py itself)")
     ap.add_argument("--results", default=None, help="results file (default bench/results/finetune.jsonl)")
     ap.add_argument("--sample-interval", type=float, default=0.5, help="seconds between memory samples (default 0.5)")
+    ap.add_argument("--loader-workers", type=int, default=0,
+                    help="tsd modes: feed the random tokens through a torch DataLoader with N worker processes "
+                         "(default 0: one batch kept on the device)")
+    ap.add_argument("--stream", default="auto", choices=["auto", "on", "off"],
+                    help="measure the host's STREAM bandwidth once, before the modes (auto: on a GPU run with tsd modes)")
+    ap.add_argument("--stream-bin", default=None,
+                    help="bench/stream_bench (default: beside the tsd binary, else build/bin; absent: recorded as skipped)")
+    ap.add_argument("--stream-mib", type=int, default=512, help="MiB of each of STREAM's three arrays (default 512)")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one tsd mode here
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
@@ -514,6 +639,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         ap.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
     if not modes or a.repeats < 1 or a.steps < 1 or a.batch < 1 or a.seq < 2:
         ap.error("need at least one mode, --repeats >= 1, --steps >= 1, --batch >= 1 and --seq >= 2")
+    if a.loader_workers < 0 or a.stream_mib < 1:
+        ap.error("--loader-workers must be >= 0 and --stream-mib >= 1")
     if a.clip < 0 or a.cap_gib < 0 or a.sample_interval <= 0:
         ap.error("--clip and --cap-gib must be >= 0 and --sample-interval > 0")
     try:
@@ -555,6 +682,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 daemon = start_daemon(a)
             client = trainstream.connect(socket=a.socket)
         daemon_pid = client.status().pid if client is not None else None
+        want_stream = a.stream == "on" or (a.stream == "auto" and a.device == "cuda")
+        measured_stream = measure_stream(a, rec) if client is not None and want_stream else None
         for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set):
             if skips[mode] is not None:
                 if repeat == 0:
@@ -584,6 +713,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
           f"{a.repeats} round(s); recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))
+    if measured_stream:
+        for line in bound_lines(records, measured_stream):
+            print(line)
     return 0
 
 

@@ -10,11 +10,13 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/jobs/registry.h"
 #include "daemon/memory/memlock.h"
+#include "daemon/memory/numa_topology.h"
 #include "daemon/ops/instance_lock.h"
 #include "daemon/ops/metrics.h"
 #include "daemon/ops/notify.h"
@@ -97,6 +99,42 @@ void Reload(Reloader& reloader, const SystemdNotifier& notifier) {
   }
 }
 
+// The host's NUMA nodes, each with the CPUs this daemon may run on, when placement is on and the
+// host has two nodes or more with such CPUs; else nothing (logged either way).
+std::optional<NumaTopology> LoadPlacementTopology(const Config& config) {
+  if (!config.numa_placement) {
+    spdlog::info("event=numa placement=off reason=\"numa_placement is false\"");
+    return std::nullopt;
+  }
+  auto topology = NumaTopology::Load(config.sysfs_root);
+  if (!topology.ok()) {
+    spdlog::warn("event=numa placement=off reason=\"{}\"",
+                 std::string(topology.status().message()));
+    return std::nullopt;
+  }
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) CPU_ZERO(&allowed);
+  std::vector<NumaNode> nodes;
+  int with_cpus = 0;
+  for (NumaNode node : topology->nodes()) {
+    std::erase_if(node.cpus, [&](int c) { return c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed); });
+    with_cpus += node.cpus.empty() ? 0 : 1;
+    nodes.push_back(std::move(node));
+  }
+  const NumaTopology usable = NumaTopology::FromNodes(config.sysfs_root, std::move(nodes));
+  if (with_cpus < 2) {
+    spdlog::info(
+        "event=numa placement=off nodes={} reason=\"fewer than two nodes with CPUs this "
+        "daemon may use\"",
+        usable.Describe());
+    return std::nullopt;
+  }
+  spdlog::info("event=numa placement=on nodes=\"{}\" sysfs_root={}", usable.Describe(),
+               config.sysfs_root);
+  return usable;
+}
+
 }  // namespace
 
 int RunDaemon(const Config& config) {
@@ -152,10 +190,15 @@ int RunDaemon(const Config& config) {
     cpu_set_t allowed;
     threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
   }
-  WorkerPool pool(threads, config.pin_optimizer_threads, config.optimizer_nice);
+  // NUMA: with several nodes the workers are split by node (each node's CPUs the daemon may use)
+  // and jobs are placed on their GPU's node; with one node, or none known, nothing changes.
+  const std::optional<NumaTopology> numa = LoadPlacementTopology(config);
+  WorkerPool pool(threads, config.pin_optimizer_threads, config.optimizer_nice,
+                  numa ? numa->nodes() : std::vector<NumaNode>{});
+  options.numa = numa ? &*numa : nullptr;
   options.pool = &pool;
   options.isa = kernels::BestIsa();
-  spdlog::info("event=optimizer_engine threads={} pinned={} nice={} isa={}", threads,
+  spdlog::info("event=optimizer_engine threads={} pinned={} nice={} isa={}", pool.threads(),
                config.pin_optimizer_threads, config.optimizer_nice, kernels::IsaName(options.isa));
   if (pool.nice_errno() != 0) {
     spdlog::warn(

@@ -555,6 +555,7 @@ absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
     o.used_bytes = j.used_bytes();
     o.quota_bytes = j.quota_bytes();
     o.regions = j.regions();
+    o.numa_node = j.has_numa_node() ? j.numa_node() : -1;
     if (j.has_activity()) DescribeActivity(j.activity(), o);
   }
   return out;
@@ -586,6 +587,7 @@ static v1::RegisterOptimizerRequest RegistrationRequest(const OptimizerSpec& spe
   req.set_seed(spec.seed);
   req.set_rank(spec.rank);
   req.set_world(spec.world);
+  req.set_pci_bus_id(spec.pci_bus_id);
   return req;
 }
 

@@ -66,12 +66,14 @@ int PrintJobs(tsd::Client& client, bool json) {
   if (json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& j : *jobs) {
-      out.push_back({{"name", j.name},
-                     {"uid", j.uid},
-                     {"sessions", j.sessions},
-                     {"used_bytes", j.used_bytes},
-                     {"quota_bytes", j.quota_bytes},
-                     {"activity", tsd::tsctl::ActivityJson(j)}});
+      out.push_back(
+          {{"name", j.name},
+           {"uid", j.uid},
+           {"sessions", j.sessions},
+           {"used_bytes", j.used_bytes},
+           {"quota_bytes", j.quota_bytes},
+           {"numa_node", j.numa_node >= 0 ? nlohmann::json(j.numa_node) : nlohmann::json()},
+           {"activity", tsd::tsctl::ActivityJson(j)}});
     }
     std::cout << out.dump() << "\n";
     return 0;
@@ -373,12 +375,14 @@ int main(int argc, char** argv) {
       "--json", status_json,
       "one JSON object: version, uptime, pool_bytes, used_bytes, locked, jobs, sessions");
   auto* jobs = app.add_subcommand("jobs", "every job: name, uid, sessions, used and quota bytes");
-  jobs->add_flag("--json", jobs_json,
-                 "a JSON array of {name, uid, sessions, used_bytes, quota_bytes, activity}; "
-                 "activity (null without an optimizer): {steps, params, params_updated, "
-                 "bucket_updates, steps_per_s, params_per_s, bucket_update_p50_s, "
-                 "bucket_update_p99_s, moment_dtype, client_reports, step_wait_s, "
-                 "h2d_bytes_per_step, d2h_bytes_per_step}");
+  jobs->add_flag(
+      "--json", jobs_json,
+      "a JSON array of {name, uid, sessions, used_bytes, quota_bytes, numa_node, activity}; "
+      "numa_node: the NUMA node tsd placed the job on (null: none); "
+      "activity (null without an optimizer): {steps, params, params_updated, "
+      "bucket_updates, steps_per_s, params_per_s, bucket_update_p50_s, "
+      "bucket_update_p99_s, moment_dtype, client_reports, step_wait_s, "
+      "h2d_bytes_per_step, d2h_bytes_per_step}");
   auto* stores = app.add_subcommand(
       "stores", "the node's weight stores: id, format, bytes, users, idle time, source files");
   stores->add_flag("--json", stores_json,

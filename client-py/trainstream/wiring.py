@@ -32,6 +32,7 @@ from . import gpushare, planner, resume
 from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
+from ._topology import gpu_pci_bus_id
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
 from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
@@ -426,6 +427,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         elif prep.buckets:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
                 request = prep.request(plan.moment_dtype)
+                bus_id = gpu_pci_bus_id(device)  # NUMA placement in tsd (none on a CPU)
+                if bus_id:
+                    request["pci_bus_id"] = bus_id
                 handle = dp.register(client, request) if dp is not None else client._register_optimizer(**request)
         else:
             handle = None  # optimizer_gpu_fraction=1: every update on the device, none in tsd

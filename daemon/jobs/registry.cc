@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "proto/status_macros.h"
@@ -38,6 +39,7 @@ v1::JobInfo Registry::DescribeJob(const std::string& name, const Job& job) const
   info.set_used_bytes(ledger_->Held(Holder::Job(name)));
   info.set_quota_bytes(job.quota_bytes);
   info.set_regions(static_cast<uint32_t>(job.regions.size()));
+  if (job.numa_node >= 0) info.set_numa_node(job.numa_node);
   if (job.optimizer) job.optimizer->DescribeActivity(*info.mutable_activity());
   return info;
 }
@@ -161,6 +163,7 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
   uint64_t bytes = 0, region_id = 0, instance = 0;
   std::string job_name;
   bool lock_memory = false;
+  int numa_node = -1;
   Reservation reserved;  // counted in the ledger at once, committed once the memory exists
   {
     MutexLock lock(mu_);
@@ -194,9 +197,14 @@ absl::StatusOr<v1::RegionInfo> Registry::AllocInternal(uint64_t session_id, cons
     region_id = next_region_id_++;
     instance = job.instance;
     job_name = job.name;
+    numa_node = job.numa_node;
   }
 
-  auto region = Region::Create(region_id, name, bytes, lock_memory);
+  auto region = Region::Create(region_id, name, bytes, lock_memory, numa_node);
+  if (region.ok() && !(*region)->numa_error().empty()) {
+    spdlog::warn("event=region_not_placed job={} region={} numa_node={} error=\"{}\"", job_name,
+                 name, numa_node, (*region)->numa_error());
+  }
 
   std::shared_ptr<Region> dead;  // destroyed after the lock is dropped
   MutexLock lock(mu_);
@@ -436,6 +444,37 @@ absl::StatusOr<JobRef> Registry::PrepareOptimizer(uint64_t session_id, uint64_t 
     return absl::Status(fits.code(), absl::StrCat(fits.message(), "; or use bf16 moments"));
   }
   return JobRef{job.name, job.instance};
+}
+
+absl::StatusOr<int> Registry::PlaceJob(uint64_t session_id, const std::string& pci_bus_id) {
+  const NumaTopology* numa = nullptr;
+  std::string job_name;
+  {
+    MutexLock lock(mu_);
+    TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+    job_name = session->job;
+    numa = options_.numa;
+  }
+  // Checked on every host, so a client learns of a bad address wherever it runs.
+  if (!pci_bus_id.empty()) TSD_RETURN_IF_ERROR(CanonicalPciBusId(pci_bus_id).status());
+  NumaPlacement where;
+  if (numa != nullptr && numa->multi_node()) {
+    // Reads sysfs: outside the lock.
+    TSD_ASSIGN_OR_RETURN(where, numa->PlaceDevice(pci_bus_id));
+    if (!where.reason.empty()) {
+      spdlog::warn("event=numa_not_placed job={} pci_bus_id={} reason=\"{}\"", job_name,
+                   absl::CEscape(pci_bus_id), where.reason);
+    }
+  }
+  MutexLock lock(mu_);
+  TSD_ASSIGN_OR_RETURN(Session * session, FindSession(session_id));
+  Job& job = jobs_.at(session->job);
+  if (job.numa_node < 0 && where.node >= 0) {
+    job.numa_node = where.node;
+    spdlog::info("event=numa_placed job={} pci_bus_id={} numa_node={}", job.name, pci_bus_id,
+                 where.node);
+  }
+  return job.numa_node;
 }
 
 absl::StatusOr<v1::RegionInfo> Registry::AllocOptimizerRegion(uint64_t session_id,

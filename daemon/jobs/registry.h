@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/memory/ledger.h"
+#include "daemon/memory/numa_topology.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
@@ -58,6 +59,9 @@ struct RegistryOptions {
   WorkerPool* pool = nullptr;  // the optimizer engine's threads (required for RegisterOptimizer)
   OptimizerObservers* metrics = nullptr;  // what optimizers report to (may be null)
   kernels::Isa isa = kernels::Isa::kScalar;
+  // The host's NUMA nodes (not owned; may be null). With two nodes or more, a job whose GPU is
+  // known (PlaceJob) gets its new regions on that GPU's node.
+  const NumaTopology* numa = nullptr;
   // The node's ledger, shared with the stores (not owned; it must outlive the Registry). Null:
   // the Registry keeps a ledger of its own, of pool_bytes and no store budget.
   Ledger* ledger = nullptr;
@@ -167,6 +171,11 @@ class Registry final {
   absl::StatusOr<std::shared_ptr<JobOptimizer>> JoinOptimizer(
       uint64_t session_id, uint32_t rank, uint32_t world,
       const std::function<absl::Status(const OptimizerPlan&)>& check);
+  // Places the session's job on the NUMA node of the GPU at `pci_bus_id` (as the client sent it),
+  // unless the job is placed already (the first GPU named decides). Returns the job's node (-1:
+  // none). INVALID_ARGUMENT for a malformed address, changing nothing; on a host of one node, or
+  // when sysfs does not know the device (logged, with why), the job stays unplaced.
+  absl::StatusOr<int> PlaceJob(uint64_t session_id, const std::string& pci_bus_id);
   // --- end of optimizer registration -----------------------------------------------------------
   // --- Kept jobs (daemon/jobs/keep.cc) ----------------------------------------------------------
   // The job's optimizer, for a session that attached with resume, after `check(kept plan)`
@@ -241,6 +250,7 @@ class Registry final {
     // Data parallel: the session holding each rank of the optimizer. A rank's session that ends
     // other than by Detach fails the optimizer for the others (RemoveSessionLocked).
     std::map<uint32_t, uint64_t> ranks;
+    int numa_node = -1;              // where its regions go (PlaceJob); -1: anywhere
   };
   // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their
   // threads), then the regions they worked in.

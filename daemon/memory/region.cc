@@ -9,12 +9,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/memory/numa_memory.h"
 #include "proto/wire.h"
 
 namespace tsd {
 
 absl::StatusOr<std::unique_ptr<Region>> Region::Create(uint64_t id, std::string name,
-                                                       uint64_t bytes, bool lock) {
+                                                       uint64_t bytes, bool lock, int numa_node) {
   if (bytes == 0 || bytes % wire::kPageBytes != 0) {
     return absl::InternalError(
         absl::StrCat("region size ", bytes, " is not a positive page multiple"));
@@ -30,6 +31,14 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Create(uint64_t id, std::string 
   if (ftruncate(r->fd_, size) != 0) {
     return absl::ResourceExhaustedError(
         absl::StrCat("ftruncate(", bytes, ") failed: ", std::strerror(errno)));
+  }
+  // The pages are allocated below (fallocate, then the mapping's populate) under this thread's
+  // memory policy: the node's while `place` lives.
+  ScopedPreferredNode place(numa_node);
+  if (place.active()) {
+    r->numa_node_ = numa_node;
+  } else if (!place.status().ok()) {
+    r->numa_error_ = std::string(place.status().message());
   }
   // Allocate every page now: running out of memory is an error here, never a SIGBUS later.
   if (fallocate(r->fd_, 0, 0, size) != 0) {

@@ -4,6 +4,8 @@
 // own mapping), mapped into the daemon and, when the pool is locked, mlock()ed. The daemon never
 // reuses a memfd: on destruction the pages are punched out of it (returned to the kernel, which
 // zero-fills any page before giving it out again), even if a client still maps the descriptor.
+// A region may be placed on a NUMA node (daemon/memory/numa_memory.h): its pages are then
+// allocated there while the node has room.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +19,11 @@ namespace tsd {
 class Region final {
  public:
   // Creates a region of `bytes` (a multiple of the page size). `lock` asks for mlock().
+  // `numa_node` >= 0 prefers that node for its pages; when the kernel refuses the node the region
+  // is made without placement, numa_node() is -1 and numa_error() says why.
   static absl::StatusOr<std::unique_ptr<Region>> Create(uint64_t id, std::string name,
-                                                        uint64_t bytes, bool lock);
+                                                        uint64_t bytes, bool lock,
+                                                        int numa_node = -1);
   ~Region();
   Region(const Region&) = delete;
   Region& operator=(const Region&) = delete;
@@ -30,6 +35,9 @@ class Region final {
   void* data() const { return data_; }
   // The memfd, owned by the region. Dup it before handing it out.
   int fd() const { return fd_; }
+  // The NUMA node its pages were asked from (-1: none), and why a node asked for was not used.
+  int numa_node() const { return numa_node_; }
+  const std::string& numa_error() const { return numa_error_; }
 
  private:
   Region(uint64_t id, std::string name, uint64_t bytes)
@@ -41,6 +49,8 @@ class Region final {
   int fd_ = -1;
   void* data_ = nullptr;
   bool locked_ = false;
+  int numa_node_ = -1;
+  std::string numa_error_;
 };
 
 }  // namespace tsd

@@ -31,6 +31,9 @@ struct Config {
   // Nice value of the optimizer workers (-20..19). Above 0 they yield the CPU to a trainer's
   // latency-sensitive threads (the one launching CUDA kernels) on the same machine.
   int optimizer_nice = 0;
+  // NUMA placement (daemon/memory/numa_topology.h): on with several nodes; read under sysfs_root.
+  bool numa_placement = true;
+  std::string sysfs_root;
   // Region budgets (daemon/ops/resource_budget.h); 0 = derived from RLIMIT_NOFILE and
   // vm.max_map_count at start.
   int max_regions_per_job = 0;

@@ -176,7 +176,7 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
       plan_(std::move(plan)),
       regions_(std::move(regions)),
       pool_(pool),
-      queue_(pool.NewQueue()),
+      queue_(pool.NewQueue(plan_.numa_node)),
       isa_(isa),
       observer_(std::move(observer)) {
   page_ =
@@ -248,6 +248,7 @@ void JobOptimizer::Fail(const std::string& why) {
 }
 
 void JobOptimizer::DispatchLoop() {
+  pool_.PinCurrentThreadToNode(plan_.numa_node);  // it runs small updates itself
   while (!stop_.load(std::memory_order_acquire) && !failed_.load()) {
     const uint32_t seen = page_.header->doorbell.load(std::memory_order_acquire);
     if (!Scan()) return;

@@ -60,6 +60,8 @@ struct OptimizerPlan {
   // Data parallel: the ranks sharing the optimizer (0: one process) and the registering one's.
   uint32_t world = 0;
   uint32_t rank = 0;
+  // The NUMA node of the job's GPU (-1: none): its updates run on that node's workers.
+  int numa_node = -1;
   uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
            accum_bytes = 0;
   uint64_t total_bytes() const {

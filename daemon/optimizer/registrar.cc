@@ -29,6 +29,10 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
   }
   auto job = registry_.PrepareOptimizer(session_id, plan->total_bytes());
   if (!job.ok()) return job.status();
+  // The GPU's NUMA node, before the first region: the regions and the workers go there.
+  auto node = registry_.PlaceJob(session_id, req.pci_bus_id());
+  if (!node.ok()) return node.status();
+  plan->numa_node = *node;
 
   // The regions, in the order of OptimizerRegions' slots; empty ones are not allocated.
   const std::pair<const char*, uint64_t> wanted[] = {
@@ -86,9 +90,9 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
   v1::RegisterOptimizerResponse resp = LayoutResponse(layout, options);
   spdlog::info(
       "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
-      "accumulate={} world={}",
+      "accumulate={} world={} numa_node={}",
       job->name, layout.buckets.size(), layout.groups.size(), layout.total_bytes(),
-      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate, layout.world);
+      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate, layout.world, layout.numa_node);
   return resp;
 }
 

@@ -69,6 +69,7 @@ struct JobStatus {
   uint64_t used_bytes = 0;
   uint64_t quota_bytes = 0;
   uint32_t regions = 0;
+  int numa_node = -1;  // the NUMA node tsd placed the job on (-1: none)
   // What the job's optimizer is doing (`tsctl top`); see JobActivity in tsd.proto.
   struct Activity {
     uint64_t steps = 0, params = 0, params_updated = 0, bucket_updates = 0;

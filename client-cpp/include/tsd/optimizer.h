@@ -70,6 +70,9 @@ struct OptimizerSpec {
   // counts this rank's steps, and the daemon applies a commit once every rank made it.
   uint32_t rank = 0;
   uint32_t world = 0;
+  // The PCI address of the GPU this trainer uses ("0000:c1:00.0"), or empty: on a host of several
+  // NUMA nodes tsd places the job's optimizer threads and memory on that GPU's node.
+  std::string pci_bus_id;
 };
 
 // Where a resumed optimizer stands (Client::ResumeOptimizer): tsd finished every delivery the

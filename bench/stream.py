@@ -1,0 +1,79 @@
+"""Host memory traffic of a tsd step against the host's memory bandwidth (finetune_bench.py).
+
+The CPU share of a tsd step is bound by the host's memory bandwidth: per parameter, AdamW reads
+and writes the fp32 master and both moments, reads the gradient and writes the parameter slot; the
+gradient's D2H copy writes host memory and the parameter's H2D copy reads it; with clipping, tsd
+reads each gradient once more for its sum of squares. `host_bytes_per_param` counts those bytes
+from the dtypes (the bytes tsd's kernels touch, not a sampled counter), and paging adds its own
+copies (activations out and back, paged weights in). `stream_bench` (bench/stream_bench.cc) measures
+the bandwidth in the same run, STREAM-style with non-temporal stores, so a report can print the
+bound of a step: max(the GPU's forward and backward, host bytes per step / STREAM bandwidth).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any, Optional
+
+MASTER_BYTES = 4  # fp32 masters
+NT_KERNELS = ("copy_nt_gbs", "scale_nt_gbs", "add_nt_gbs", "triad_nt_gbs")
+
+
+def host_bytes_per_param(grad_bytes: int, param_bytes: int, moment_bytes: int, clip: bool) -> dict[str, int]:
+    """Host memory bytes one trained parameter costs per optimizer step: `adamw` (reads and writes
+    of master and moments, the gradient read, the parameter write), `clip` (the second read of the
+    gradient for the norm), `pcie` (the gradient's D2H copy lands in host memory, the parameter's
+    H2D copy reads it) and their `total`. E.g. bf16 gradients and parameters: 28 + 4 with fp32
+    moments, 20 + 4 with bf16 ones (the figures of issue 14)."""
+    for name, v in (("grad_bytes", grad_bytes), ("param_bytes", param_bytes), ("moment_bytes", moment_bytes)):
+        if v not in (2, 4):
+            raise ValueError(f"{name} must be 2 or 4 (a 16- or 32-bit dtype), not {v!r}")
+    adamw = 2 * (MASTER_BYTES + 2 * moment_bytes) + grad_bytes + param_bytes
+    clip_read = grad_bytes if clip else 0
+    pcie = grad_bytes + param_bytes
+    return {"adamw": adamw, "clip": clip_read, "pcie": pcie, "total": adamw + clip_read + pcie}
+
+
+def bandwidth_gbs(stream: dict[str, Any]) -> float:
+    """The bandwidth a bound divides by: the best of stream_bench's non-temporal kernels (GB/s)."""
+    figures = [float(stream[k]) for k in NT_KERNELS if isinstance(stream.get(k), (int, float))]
+    if not figures:
+        raise ValueError(f"no non-temporal STREAM figure in {sorted(stream)}")
+    return max(figures)
+
+
+def bound_s(forward_backward_s: float, host_bytes_per_step: float, stream_gbs: float) -> float:
+    """A step's bound: the GPU's forward and backward, or the host's traffic at STREAM speed,
+    whichever is longer."""
+    if stream_gbs <= 0:
+        raise ValueError(f"STREAM bandwidth must be > 0 GB/s, not {stream_gbs}")
+    return max(forward_backward_s, host_bytes_per_step / (stream_gbs * 1e9))
+
+
+def find_binary(given: Optional[str], tsd_bin: Optional[str], root: str) -> Optional[str]:
+    """stream_bench: `given`, else beside the tsd binary, else root/build/bin; None when absent."""
+    if given:
+        return given if os.path.exists(given) else None
+    dirs = [os.path.dirname(os.path.abspath(tsd_bin))] if tsd_bin else []
+    dirs.append(os.path.join(root, "build", "bin"))
+    for d in dirs:
+        path = os.path.join(d, "stream_bench")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def measure(binary: str, threads: Optional[int] = None, array_mib: int = 512, reps: int = 5,
+            timeout_s: float = 600) -> dict[str, Any]:
+    """Runs stream_bench and returns its figures (GB/s per kernel, ordinary and non-temporal
+    stores). RuntimeError, with what it printed, when it fails."""
+    argv = [binary, "--array-mib", str(array_mib), "--reps", str(reps)]
+    if threads:
+        argv += ["--threads", str(threads)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+    if run.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(argv)} failed (exit status {run.returncode}): "
+                           f"{(run.stderr or run.stdout).strip()[-500:]}")
+    return dict(json.loads(lines[-1]))
