@@ -222,8 +222,8 @@ std::string ReadAll(const std::string& path) {
   return s.str();
 }
 
-// Starts tsd with `args` and returns its exit code and output; for starts that must be refused
-// (a daemon that did come up is stopped and reported as exit code 0).
+// Starts tsd with `args` and returns its output, its exit code in *rc; for starts that must be
+// refused (a daemon that did come up anyway is killed after 20 s: *rc is then 137).
 std::string StartRefused(const std::vector<std::string>& args, int* rc) {
   std::string cmd = "timeout -s KILL 20 " + std::string(TSD_BINARY);
   for (const auto& a : args) cmd += " '" + a + "'";
