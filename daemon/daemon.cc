@@ -22,12 +22,11 @@
 #include "daemon/ops/notify.h"
 #include "daemon/ops/reload.h"
 #include "daemon/ops/resource_budget.h"
-#include "daemon/rpc/side_server.h"
-#include "daemon/stores/store_manager.h"
 #include "daemon/ops/version.h"
 #include "daemon/optimizer/worker_pool.h"
 #include "daemon/rpc/control_plane.h"
 #include "daemon/rpc/side_server.h"
+#include "daemon/stores/store_manager.h"
 #include "proto/socket_dir.h"
 #include "proto/wire.h"
 #include "spdlog/spdlog.h"
@@ -47,9 +46,11 @@ absl::StatusOr<gid_t> LookupGroup(const std::string& name) {
   return out->gr_gid;
 }
 
-// Creates the socket's directory when missing, mode 0770 with the socket group. A directory
-// that already exists (a systemd RuntimeDirectory, or one made by hand) must be one only tsd's
-// uid controls (wire::CheckDaemonSocketDir): another user could otherwise replace the sockets.
+// Creates the socket's directory when missing, mode 0750 with the socket group: its members may
+// enter it and connect (the sockets are 0660) but not delete, replace or plant anything there. A
+// directory that already exists (a systemd RuntimeDirectory, or one made by hand) must be one only
+// tsd's uid controls (wire::CheckDaemonSocketDir): another user could otherwise replace the
+// sockets.
 absl::Status PrepareSocketDir(const std::string& socket_path, gid_t gid) {
   std::filesystem::path dir = std::filesystem::path(socket_path).parent_path();
   if (dir.empty()) dir = ".";
@@ -65,7 +66,7 @@ absl::Status PrepareSocketDir(const std::string& socket_path, gid_t gid) {
                                                     ": ", ec.message(),
                                                     "; pick another --socket or run as root"));
   }
-  if (chmod(dir.c_str(), 0770) != 0 ||
+  if (chmod(dir.c_str(), 0750) != 0 ||
       (gid != static_cast<gid_t>(-1) && chown(dir.c_str(), -1, gid) != 0)) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot set mode/group of ", dir.string(), ": ", std::strerror(errno)));

@@ -21,14 +21,14 @@ std::string ParentOf(const std::string& path) {
 
 }  // namespace
 
-absl::Status CheckDaemonSocketDir(const std::string& dir, uid_t uid, gid_t trusted_gid) {
+absl::Status CheckDaemonSocketDir(const std::string& dir, uid_t uid, gid_t socket_gid) {
   struct stat st {};
   if (lstat(dir.c_str(), &st) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot inspect socket directory ", dir, ": ", std::strerror(errno)));
   }
   const std::string fix = absl::StrCat(
-      "; remove it (tsd creates it, mode 0770, when missing) or point --socket at a directory "
+      "; remove it (tsd creates it, mode 0750, when missing) or point --socket at a directory "
       "only tsd's uid (",
       uid, ") can write");
   if (S_ISLNK(st.st_mode)) {
@@ -49,12 +49,14 @@ absl::Status CheckDaemonSocketDir(const std::string& dir, uid_t uid, gid_t trust
         "socket directory ", dir, " (mode ", Mode(st.st_mode),
         ") is writable by every user, who could delete or replace tsd's sockets", fix));
   }
-  if ((st.st_mode & S_IWGRP) && st.st_gid != trusted_gid) {
+  // The socket group's members are clients like any other uid: write access would let one of
+  // them replace the sockets and impersonate tsd to every other member's trainers.
+  if (st.st_mode & S_IWGRP) {
     return absl::FailedPreconditionError(absl::StrCat(
         "socket directory ", dir, " (mode ", Mode(st.st_mode), ") is writable by group ", st.st_gid,
-        ", which is not the socket group (", trusted_gid,
-        "), so its members could delete or replace tsd's sockets; run chmod g-w ", dir,
-        ", or set socket_group to that group", fix));
+        st.st_gid == socket_gid ? " (the socket group: every client)" : "",
+        ", whose members could delete or replace tsd's sockets; run chmod g-w ", dir,
+        " (connecting needs no write access to the directory)", fix));
   }
   return absl::OkStatus();
 }

@@ -14,10 +14,10 @@
 namespace tsd::wire {
 
 // The daemon's rule, for the directory that will hold its sockets: it must be a real directory
-// (not a symbolic link) owned by `uid` (the daemon's effective uid) or by root, not writable by
-// others, and writable by its group only when that group is `trusted_gid` (the socket group, or
-// the daemon's own group when none is set). The error says why and what to do.
-absl::Status CheckDaemonSocketDir(const std::string& dir, uid_t uid, gid_t trusted_gid);
+// (not a symbolic link) owned by `uid` (the daemon's effective uid) or by root, and writable by
+// its owner alone: not by others, nor by its group, even when that is `socket_gid` (the socket
+// group, whose members are clients of every uid). The error says why and what to do.
+absl::Status CheckDaemonSocketDir(const std::string& dir, uid_t uid, gid_t socket_gid);
 
 // The client's rule, for the directory of the socket it is about to connect to: not writable by
 // others, and owned by root or by `uid` (the client's uid), or else inside a directory that

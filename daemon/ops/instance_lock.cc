@@ -39,6 +39,17 @@ absl::StatusOr<InstanceLock> InstanceLock::Acquire(const std::string& socket_pat
         regular ? absl::StrCat(" is owned by uid ", owner, ", not by tsd's uid ", geteuid()) : "",
         "; tsd refuses to use it. Remove it (and check who created it), then start tsd again"));
   }
+  // A second name for the file (a hard link another user planted where fs.protected_hardlinks
+  // is off) would let the truncate below reach a file of tsd's uid that is not the lock.
+  if (st.st_nlink != 1) {
+    const nlink_t links = st.st_nlink;
+    close(fd);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "lock file ", path, " has ", links,
+        " links: another name points at the same file, which may be a file of tsd's uid planted "
+        "there; tsd refuses to truncate it. Remove ",
+        path, " (check who created it), then start tsd again"));
+  }
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     char buf[32] = {};
     [[maybe_unused]] ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);

@@ -22,7 +22,7 @@ const std::vector<Setting>& Settings() {
                        "root, else $XDG_RUNTIME_DIR/tsd/tsd.sock or /tmp/tsd-$UID/tsd.sock"},
       {.key = "socket_group",
        .flag = "--socket-group",
-       .help = "group whose members may connect (sockets 0660, directory 0770)",
+       .help = "group whose members may connect (sockets 0660, directory 0750)",
        .type = T::kText,
        .field = &Config::socket_group,
        .default_value = "",
