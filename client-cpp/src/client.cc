@@ -902,9 +902,9 @@ absl::StatusOr<std::shared_ptr<DeviceStoreView>> Client::OpenDeviceStore(
     req.mutable_open_device_store()->set_store_id(store_id);
     req.mutable_open_device_store()->set_gpu_uuid(gpu_uuid);
     // The first job on a GPU waits while tsd copies the store there.
-    TSD_ASSIGN_OR_RETURN(reply, impl_->Call(std::move(req), -1,
-                                            std::max(impl_->request_timeout, kMinStateTimeout),
-                                            "open_device_store"));
+    TSD_ASSIGN_OR_RETURN(
+        reply, impl_->Call(std::move(req), -1, std::max(impl_->request_timeout, kMinStateTimeout),
+                           "open_device_store"));
   }
   struct Closer {
     int fd;
@@ -912,7 +912,8 @@ absl::StatusOr<std::shared_ptr<DeviceStoreView>> Client::OpenDeviceStore(
       if (fd >= 0) close(fd);
     }
   } closer{reply.second};
-  if (closer.fd < 0) return absl::InternalError("tsd's open_device_store reply carried no descriptor");
+  if (closer.fd < 0)
+    return absl::InternalError("tsd's open_device_store reply carried no descriptor");
   const v1::SideOpenDeviceStoreReply& r = reply.first.open_device_store();
   return DeviceStoreView::Map(store_id, r.gpu_uuid(), closer.fd, r.size_bytes(), r.data_bytes());
 }

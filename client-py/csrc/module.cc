@@ -662,7 +662,8 @@ PYBIND11_MODULE(_C, m) {
       .def("register_optimizer", &RegisterOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
-           py::arg("maximize") = false, py::arg("rank") = 0, py::arg("world") = 0, py::arg("pci_bus_id") = "")
+           py::arg("maximize") = false, py::arg("rank") = 0, py::arg("world") = 0,
+           py::arg("pci_bus_id") = "")
       .def("resume_optimizer", &ResumeOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,

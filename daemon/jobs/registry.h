@@ -250,7 +250,7 @@ class Registry final {
     // Data parallel: the session holding each rank of the optimizer. A rank's session that ends
     // other than by Detach fails the optimizer for the others (RemoveSessionLocked).
     std::map<uint32_t, uint64_t> ranks;
-    int numa_node = -1;              // where its regions go (PlaceJob); -1: anywhere
+    int numa_node = -1;  // where its regions go (PlaceJob); -1: anywhere
   };
   // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their
   // threads), then the regions they worked in.

@@ -92,7 +92,8 @@ absl::StatusOr<v1::RegisterOptimizerResponse> Registrar::Register(
       "event=optimizer_registered job={} buckets={} groups={} state_bytes={} isa={} clip={} "
       "accumulate={} world={} numa_node={}",
       job->name, layout.buckets.size(), layout.groups.size(), layout.total_bytes(),
-      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate, layout.world, layout.numa_node);
+      kernels::IsaName(options.isa), layout.max_grad_norm, layout.accumulate, layout.world,
+      layout.numa_node);
   return resp;
 }
 

@@ -179,7 +179,7 @@ TEST(Daemon, TsctlReportsStatusAndJobsAsJson) {
   for (auto& [k, v] : jobs[0].items()) keys.insert(k);
   EXPECT_EQ(keys, (std::set<std::string>{"name", "uid", "sessions", "used_bytes", "quota_bytes",
                                          "numa_node", "activity"}));
-  EXPECT_TRUE(jobs[0]["activity"].is_null());  // no optimizer (activity_test.cc has one)
+  EXPECT_TRUE(jobs[0]["activity"].is_null());   // no optimizer (activity_test.cc has one)
   EXPECT_TRUE(jobs[0]["numa_node"].is_null());  // not placed (numa_daemon_test.cc places one)
   EXPECT_EQ(jobs[0]["name"], "tsctl-job");
   EXPECT_EQ(jobs[0]["uid"], getuid());
