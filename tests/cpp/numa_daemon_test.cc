@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "allowed_cpus.h"
 #include "daemon_process.h"
 #include "tsd/client.h"
 #include "tsd/optimizer.h"
@@ -29,16 +30,6 @@ namespace {
 
 using ::testing::HasSubstr;
 namespace fs = std::filesystem;
-
-std::vector<int> AllowedCpus() {
-  cpu_set_t set;
-  std::vector<int> out;
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) out.push_back(c);
-  }
-  return out;
-}
 
 // A fake sysfs: node 0 with CPU `a`, node 1 with CPU `b`, a GPU at 0000:c1:00.0 on node 1.
 std::string MakeFakeSysfs(int a, int b) {
@@ -112,7 +103,7 @@ int NodeOf(tsd::Client& c, const std::string& job) {
 }
 
 TEST(NumaDaemon, AJobIsPlacedOnItsGpusNode) {
-  const std::vector<int> cpus = AllowedCpus();
+  const std::vector<int> cpus = tsd::testing::AllowedCpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs";
   const std::string sysfs = MakeFakeSysfs(cpus[0], cpus[1]);
   auto d = DaemonProcess::Start(

@@ -21,6 +21,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "allowed_cpus.h"
+
 #include "daemon/jobs/registry.h"
 #include "daemon/memory/numa_memory.h"
 #include "daemon/memory/numa_topology.h"
@@ -229,17 +231,6 @@ TEST(NumaTopology, TheRealSysfsParses) {
   }
 }
 
-// The CPUs the calling thread may run on.
-std::vector<int> MyCpus() {
-  cpu_set_t set;
-  std::vector<int> out;
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) out.push_back(c);
-  }
-  return out;
-}
-
 TEST(WorkerPoolNuma, SplitsWorkersByNodeInProportionToCpus) {
   // The CPU ids need not exist for the split (affinity to absent CPUs is refused and ignored).
   WorkerPool pool(8, false, 0, {{0, {0, 1, 2, 3, 4, 5}}, {1, {6, 7}}});
@@ -258,7 +249,7 @@ TEST(WorkerPoolNuma, SplitsWorkersByNodeInProportionToCpus) {
 }
 
 TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
-  const std::vector<int> cpus = MyCpus();
+  const std::vector<int> cpus = tsd::testing::AllowedCpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs";
   const int a = cpus[0], b = cpus[1];
   WorkerPool pool(4, false, 0, {{0, {a}}, {1, {b}}});
@@ -270,13 +261,13 @@ TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
   for (int i = 0; i < 40; ++i) {
     t1.push_back([&] {
       std::lock_guard<std::mutex> l(mu);
-      seen_node1.push_back(MyCpus());
+      seen_node1.push_back(tsd::testing::AllowedCpus());
       --left;
     });
     t_any.push_back([&] {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
       std::lock_guard<std::mutex> l(mu);
-      seen_any.push_back(MyCpus());
+      seen_any.push_back(tsd::testing::AllowedCpus());
       --left;
     });
   }
@@ -298,12 +289,12 @@ TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
   // The dispatcher's pinning: the calling thread confined to node 1's CPUs, then back.
   std::thread([&] {
     pool.PinCurrentThreadToNode(1);
-    EXPECT_THAT(MyCpus(), ElementsAre(b));
+    EXPECT_THAT(tsd::testing::AllowedCpus(), ElementsAre(b));
   }).join();
   std::thread([&] {
-    const std::vector<int> before = MyCpus();
+    const std::vector<int> before = tsd::testing::AllowedCpus();
     pool.PinCurrentThreadToNode(7);  // not served: unchanged
-    EXPECT_EQ(MyCpus(), before);
+    EXPECT_EQ(tsd::testing::AllowedCpus(), before);
   }).join();
 }
 
