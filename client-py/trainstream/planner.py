@@ -22,6 +22,7 @@ import torch
 
 from .client import Job, OptimizerLayout, Status
 from .errors import MemoryCheckFailed, Refusal
+from .gpushare import vram_cost
 from .units import MOMENT_DTYPES, format_bytes
 
 # How much of the GPU's memory a run may plan to use (the rest is the allocator's slack).
@@ -434,7 +435,7 @@ def stock_adamw_extra_bytes(params: Iterable[tuple[int, int, int]]) -> int:
     own dtype): a param_dtype= cast undone, then what the optimizer's GPU share keeps per
     parameter (gpushare.vram_cost: fp32 exp_avg, exp_avg_sq and gradient, and an fp32 master
     where the model's dtype is not fp32)."""
-    return sum(n * (own - now) + n * (12 + (0 if own == 4 else 4)) for n, now, own in params)
+    return sum(n * (own - now) + vram_cost(n, own) for n, now, own in params)
 
 
 def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool, str]:
