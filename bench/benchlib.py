@@ -279,6 +279,31 @@ def run_sampled(argv: list[str], interval_s: float = 0.5, daemon_pid: Optional[i
 # Records
 
 
+def start_tsd(binary: str, directory: str, pool: str, *args: str,
+              timeout_s: float = 30) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `binary` (tsd) on a socket in `directory` with `pool` bytes and `args`, its output in
+    `directory`/tsd.log, and returns it and the socket once a client's attach answers. Exits with
+    where to look when it exits first or does not answer within `timeout_s`."""
+    import trainstream
+
+    socket = os.path.join(directory, "tsd.sock")
+    log_path = os.path.join(directory, "tsd.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([binary, "--socket", socket, "--pool-size", pool, "--metrics-listen", "", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"tsd exited with {proc.returncode}; see {log_path}")
+        try:
+            trainstream.connect(socket=socket).close()
+            return proc, socket
+        except trainstream.DaemonUnavailable:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"tsd did not answer on {socket} within {timeout_s:.0f} s; see {log_path}")
+
+
 def validate_record(rec: Any, where: str = "record") -> dict[str, Any]:
     """Checks one record's shape; raises RecordError naming what is wrong. Returns it."""
     if not isinstance(rec, dict):

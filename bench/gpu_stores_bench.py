@@ -183,23 +183,6 @@ def copies_of(socket: str, store: int) -> list[Any]:
         return [list(s.device_copies) for s in c.stores() if s.id == store][0]
 
 
-def start_tsd(binary: str, directory: str, pool: str = "90%") -> tuple[subprocess.Popen[bytes], str]:
-    import trainstream
-    sock = os.path.join(directory, "tsd.sock")
-    log = open(os.path.join(directory, "tsd.log"), "w")
-    proc = subprocess.Popen([binary, "--socket", sock, "--pool-size", pool, "--gpu-stores",
-                             "--store-keep", "10m", "--metrics-listen", ""], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 30
-    while True:
-        try:
-            trainstream.connect(socket=sock).close()
-            return proc, sock
-        except trainstream.DaemonUnavailable:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"tsd did not start; see {log.name}")
-            time.sleep(0.1)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     nvml = benchlib.Nvml.open()
     if nvml is None:
@@ -215,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with open(os.path.join(ckpt, "base_bytes")) as f:
         base = int(f.read())
     print(f"checkpoint ready in {time.time() - t0:.0f} s (NF4 base {base / 2**30:.2f} GiB)", flush=True)
-    tsd, sock = start_tsd(args.tsd_bin, work)
+    tsd, sock = benchlib.start_tsd(args.tsd_bin, work, "90%", "--gpu-stores", "--store-keep", "10m")
     jobs: list[Job] = []
     try:
         u0 = device_used(nvml)

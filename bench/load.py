@@ -41,6 +41,9 @@ import tempfile
 import time
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -137,27 +140,6 @@ def proc_sample(pid: int) -> tuple[int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def start_tsd(binary: str, directory: str, pool: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Starts tsd on a socket in `directory`; returns it and the socket once it answers."""
-    socket = os.path.join(directory, "tsd.sock")
-    log = open(os.path.join(directory, "tsd.log"), "wb")
-    proc = subprocess.Popen([binary, "--socket", socket, "--metrics-listen", "", "--pool-size", pool],
-                            stdout=log, stderr=log)
-    import trainstream
-
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"load: tsd exited with {proc.returncode}; see {directory}/tsd.log")
-        try:
-            trainstream.Client(socket=socket).status()
-            return proc, socket
-        except Exception:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit(f"load: tsd did not answer on {socket} within 20 s; see {directory}/tsd.log")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"load: no tsd binary at {args.tsd}; build it (ninja -C build tsd) or pass --tsd",
                       file=sys.stderr)
                 return 2
-            daemon, socket = start_tsd(args.tsd, tmp, args.pool_size)
+            daemon, socket = benchlib.start_tsd(args.tsd, tmp, args.pool_size, timeout_s=20)
         pid = trainstream.Client(socket=socket).status().pid
         idle_rss, idle_fds = proc_sample(pid)
         ctx = mp.get_context("spawn")

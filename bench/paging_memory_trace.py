@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402
 
 
 def frame_of(block: dict[str, Any]) -> str:
@@ -100,13 +100,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("paging_memory_trace: needs CUDA (it reads torch's CUDA allocator)")
     binary = os.environ.get("TSD_BIN", os.path.join(os.path.dirname(HERE), "build", "bin", "tsd"))
-    socket = os.path.join(tempfile.mkdtemp(prefix="tsd-trace-"), "tsd.sock")
-    daemon = subprocess.Popen([binary, "--socket", socket, "--pool-size", "4GiB", "--metrics-listen", ""])
+    daemon, socket = benchlib.start_tsd(binary, tempfile.mkdtemp(prefix="tsd-trace-"), "4GiB")
     try:
-        for _ in range(100):
-            if os.path.exists(socket):
-                break
-            time.sleep(0.05)
         results = {name: run(socket, po, a) for name, po in (("unpaged", False), ("paged", True))}
     finally:
         daemon.terminate()
