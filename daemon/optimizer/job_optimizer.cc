@@ -300,8 +300,8 @@ bool JobOptimizer::ReadCommit(uint64_t* commit) {
   const uint64_t committed = committed_local_;
   const auto check = [this, committed](uint64_t c, const std::string& whose) {
     if (c >= committed && c <= committed + 1) return true;
-    Fail(absl::StrCat("control page: ", whose, "commit counter ", c, " is not ", committed,
-                      " or ", committed + 1));
+    Fail(absl::StrCat("control page: ", whose, "commit counter ", c, " is not ", committed, " or ",
+                      committed + 1));
     return false;
   };
   if (plan_.world <= 1) {
