@@ -49,7 +49,32 @@ def live_by_frame(snapshot: dict[str, Any]) -> collections.Counter[str]:
     return out
 
 
-def run(socket: str, param_offload: Any, a: argparse.Namespace) -> tuple[collections.Counter[str], dict[str, float]]:
+def live_at_peak(snapshot: dict[str, Any], device: int = 0) -> tuple[int, collections.Counter[str]]:
+    """Replays the recorded allocator events of `device` (allocated bytes fall at `free_requested`,
+    as torch's own counter does) and returns the highest net growth since recording started and the
+    allocations live at that moment, by frame."""
+    traces = snapshot.get("device_traces") or []
+    events = traces[device] if len(traces) > device else []
+    live: dict[int, tuple[int, str]] = {}
+    now = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for e in events:
+        action, addr, size = e.get("action"), e.get("addr"), int(e.get("size", 0))
+        if action == "alloc":
+            live[addr] = (size, frame_of(e))
+            now += size
+            if now > best:
+                best, best_live = now, dict(live)
+        elif action == "free_requested" and addr in live:
+            now -= live.pop(addr)[0]
+    out: collections.Counter[str] = collections.Counter()
+    for size, frame in best_live.values():
+        out[frame] += size
+    return best, out
+
+
+def run(socket: str, param_offload: Any, a: argparse.Namespace
+        ) -> tuple[collections.Counter[str], dict[str, float], collections.Counter[str]]:
     import torch
     import trainstream
     from gpt import batches, loss_of, make_gpt
@@ -57,10 +82,12 @@ def run(socket: str, param_offload: Any, a: argparse.Namespace) -> tuple[collect
     model = make_gpt(0, layers=a.layers, d=a.d, seq=a.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = trainstream.wrap(model, opt, device="cuda", socket=socket, offload=True,
-                                  param_offload=param_offload, prefetch_depth=1)
+                                  param_offload=param_offload, prefetch_depth=1,
+                                  **({"param_dtype": torch.bfloat16} if a.bf16_weights else {}))
     data = batches(a.steps, batch=a.batch, seq=a.seq, device="cuda")
     figures: dict[str, float] = {}
     live: collections.Counter[str] = collections.Counter()
+    at_peak: collections.Counter[str] = collections.Counter()
     try:
         for i, t in enumerate(data):
             last = i == len(data) - 1
@@ -69,7 +96,8 @@ def run(socket: str, param_offload: Any, a: argparse.Namespace) -> tuple[collect
                 torch.cuda.reset_peak_memory_stats()
                 figures["before_step_mib"] = torch.cuda.memory_allocated() / 2**20
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
-            loss = loss_of(model, t)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.autocast):
+                loss = loss_of(model, t)
             if last:
                 torch.cuda.synchronize()
                 figures["after_forward_mib"] = torch.cuda.memory_allocated() / 2**20
@@ -80,10 +108,12 @@ def run(socket: str, param_offload: Any, a: argparse.Namespace) -> tuple[collect
             if last:
                 torch.cuda.synchronize()
                 figures["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                growth, at_peak = live_at_peak(torch.cuda.memory._snapshot())
+                figures["peak_growth_mib"] = growth / 2**20
                 torch.cuda.memory._record_memory_history(enabled=None)
     finally:
         trainstream.unwrap(model)
-    return live, figures
+    return live, figures, at_peak
 
 
 def main() -> None:
@@ -94,6 +124,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--autocast", action="store_true", help="run forward under torch.autocast(bfloat16)")
+    ap.add_argument("--bf16-weights", action="store_true", help="wrap(param_dtype=torch.bfloat16)")
     a = ap.parse_args()
     import torch
 
@@ -106,16 +138,21 @@ def main() -> None:
     finally:
         daemon.terminate()
         daemon.wait()
-    for name, (live, fig) in results.items():
+    for name, (live, fig, peak) in results.items():
         print(f"== {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in fig.items()))
+        print("   live at the end of forward (allocated during the step):")
         for frame, nbytes in live.most_common(a.top):
             print(f"   {nbytes / 2**20:8.2f} MiB  {frame}")
-    (lu, _), (lp, _) = results["unpaged"], results["paged"]
-    print("== live at the end of forward, paged minus unpaged, by frame:")
-    diff = {f: lp.get(f, 0) - lu.get(f, 0) for f in set(lu) | set(lp)}
-    for frame, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]:
-        if d:
-            print(f"   {d / 2**20:+8.2f} MiB  {frame}")
+        print("   live at the step's peak (allocated during the step):")
+        for frame, nbytes in peak.most_common(a.top):
+            print(f"   {nbytes / 2**20:8.2f} MiB  {frame}")
+    (lu, _, pu), (lp, _, pp) = results["unpaged"], results["paged"]
+    for what, u, p in (("the end of forward", lu, lp), ("the peak", pu, pp)):
+        print(f"== live at {what}, paged minus unpaged, by frame:")
+        diff = {f: p.get(f, 0) - u.get(f, 0) for f in set(u) | set(p)}
+        for frame, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:a.top]:
+            if d:
+                print(f"   {d / 2**20:+8.2f} MiB  {frame}")
 
 
 if __name__ == "__main__":
