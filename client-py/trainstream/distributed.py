@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import socket as socket_mod
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -193,6 +193,28 @@ class DataParallel:
         assert handle is not None
         self.expected = [int(handle.steps(b)) for b in range(handle.num_buckets)]
         return handle
+
+    def load_state(self, session: Any, load: Callable[[], None]) -> None:
+        """Loads optimizer state into the node's one optimizer: every rank of the group calls it
+        (as it calls step()); the node's first rank runs `load`, the others wait for it, and then
+        every rank takes tsd's step counts as those its next step waits past (a loaded state
+        carries its own). If the load fails, every rank raises."""
+        dist = _dist()
+        error: Optional[BaseException] = None
+        if self.local_rank == 0:
+            try:
+                load()
+            except BaseException as e:  # the other ranks must not go on with a state that did not load
+                error = e
+        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is not None:
+            raise error
+        if int(ok.item()) == 0:
+            raise TsdError("the first rank of a node could not load the optimizer's state into the node's tsd; see "
+                           "its error")
+        h = session.handle
+        self.expected = [int(h.steps(b)) for b in range(h.num_buckets)]
 
     @property
     def writes_masters(self) -> bool:

@@ -151,7 +151,9 @@ class TsdAdamW(torch.optim.Optimizer):
         a negative `exp_avg_sq`, a negative or fractional `step`, or a trainable parameter
         without state while others have some is refused with a ValueError naming the parameter,
         and nothing changes. `allow_missing=True` loads parameters without state as never
-        stepped (torch keeps no state for a parameter that never got a gradient)."""
+        stepped (torch keeps no state for a parameter that never got a gradient). Under data
+        parallel (`distributed=`) every rank calls it, with the same state: the node's first rank
+        loads it into the node's one optimizer and the others wait for it."""
         self._check()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
@@ -208,13 +210,20 @@ class TsdAdamW(torch.optim.Optimizer):
             meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
                     "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
             s.idle()
-            fd = _state.new_file()
-            try:
-                with Progress("load_state_dict", state_file_bytes(s), "bytes", poll=lambda: os.fstat(fd).st_size):
-                    _state.write(fd, entries, meta)  # the file is sized first: the line shows the whole at once
-                    s.handle.load_state(fd)
-            finally:
-                os.close(fd)
+
+            def load() -> None:
+                fd = _state.new_file()
+                try:
+                    with Progress("load_state_dict", state_file_bytes(s), "bytes", poll=lambda: os.fstat(fd).st_size):
+                        _state.write(fd, entries, meta)  # the file is sized first: the line shows the whole at once
+                        s.handle.load_state(fd)
+                finally:
+                    os.close(fd)
+
+            if s.dp is not None:
+                s.dp.load_state(s, load)  # every rank calls it; the node's first rank loads the node's optimizer
+            else:
+                load()
         for p, st in on_device:  # the GPU share's, once tsd took its part
             s.share.load(p, _master_for(p, st), st)
         for saved, mine in zip(groups, self.param_groups):  # once the daemon took the state
@@ -244,18 +253,27 @@ class TsdAdamW(torch.optim.Optimizer):
         same parameters, in the same order, with the same moment dtype) before changing anything.
         A loaded master is kept only where it rounds to the model's parameter (as with
         `load_state_dict`); elsewhere it is taken from the parameter, compared chunk by chunk
-        within `planner.STREAM_BUFFER`. Call between steps."""
+        within `planner.STREAM_BUFFER`. Call between steps. Under data parallel (`distributed=`)
+        every rank calls it: the node's first rank loads the node's one optimizer, the others wait."""
         self._check_streaming("load_state")
         fd = _descriptor(file)
         s = self._session
         s.idle()
-        with Progress("load_state", len(s.params)) as bar:
-            s.handle.load_state(fd)
-            for ps in s.params:
-                if not _master_rounds_to_param(ps):
-                    s.sync_master(ps)
-                ps.version = ps.param._version
-                bar.advance()
+
+        def load() -> None:
+            with Progress("load_state", len(s.params)) as bar:
+                s.handle.load_state(fd)
+                for ps in s.params:
+                    if not _master_rounds_to_param(ps):
+                        s.sync_master(ps)
+                    bar.advance()
+
+        if s.dp is not None:
+            s.dp.load_state(s, load)  # every rank calls it; the node's first rank loads the node's optimizer
+        else:
+            load()
+        for ps in s.params:
+            ps.version = ps.param._version
 
     def _check_streaming(self, what: str) -> None:
         self._check()  # unwrapped or ended by tsd: that error first

@@ -270,11 +270,13 @@ def test_refuses_fp16(tmp_path, checkpoints):
         TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
 
 
-def test_refuses_several_processes(tmp_path, checkpoints, monkeypatch):
+def test_refuses_several_processes_with_distributed_off(tmp_path, checkpoints, monkeypatch):
+    # With the default distributed="auto" they train data parallel (test_hf_trainer_dp.py).
     args = targs(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(NotImplementedError, match="data parallel"):
-        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset())
+    with pytest.raises(NotImplementedError, match="distributed=False"):
+        TrainStreamTrainer(model=load(checkpoints["llama"]), args=args, train_dataset=TokenDataset(),
+                           trainstream={"distributed": False})
 
 
 def test_refuses_several_gpus(tmp_path, checkpoints, monkeypatch):

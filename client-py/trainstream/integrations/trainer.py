@@ -33,6 +33,14 @@ with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, 
 
 The hooks used (`_clip_grad_norm`, `_get_grad_norm`, `_maybe_log_save_evaluate`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`) are those of transformers 5.
+
+Several processes (`torchrun`, `accelerate launch`): the ranks train data parallel through tsd
+(wrap()'s `distributed="auto"`, docs/distributed.md): the node's ranks share one optimizer in tsd
+and their gradients are reduced once per optimizer step. accelerate still shards the batches and
+places the model, but does not wrap it in DistributedDataParallel (which would reduce the
+gradients a second time). The checkpoint's optimizer state is written by the process that saves
+(Trainer's `should_save`), and on resume the first rank of each node loads it into the node's
+optimizer. Weight paging is off under data parallel (not supported with it yet).
 """
 from __future__ import annotations
 
@@ -86,15 +94,21 @@ def _parse_optim_args(text: Optional[str]) -> dict[str, str]:
     return out
 
 
-def check_training_args(args: TrainingArguments) -> None:
-    """Refuses, with what to do instead, the settings tsd cannot train with. Changes nothing."""
-    world = int(getattr(args, "world_size", 1) or 1)
-    env_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1 or env_world > 1:
+def _world(args: TrainingArguments) -> int:
+    """The processes of this run: Trainer's world size, or the launcher's (WORLD_SIZE)."""
+    return max(int(getattr(args, "world_size", 1) or 1), int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
+def check_training_args(args: TrainingArguments, distributed: Any = "auto") -> None:
+    """Refuses, with what to do instead, the settings tsd cannot train with. Changes nothing.
+    `distributed` is the wrap() option: several processes (torchrun, accelerate launch) train
+    data parallel through tsd unless it is False."""
+    world = _world(args)
+    if world > 1 and distributed is False:
         raise NotImplementedError(
-            f"TrainStreamTrainer runs in one process, and this run has {max(world, env_world)} (torchrun / accelerate "
-            f"launch / a distributed launcher): data parallel training through tsd is not implemented yet. Run one "
-            f"process (python train.py), or use the stock Trainer for multi-process runs")
+            f"this run has {world} processes (torchrun / accelerate launch / a distributed launcher), and "
+            f"trainstream={{'distributed': False}} trains in one process: drop distributed=False (the default 'auto' "
+            f"trains the ranks data parallel through tsd), or run one process (python train.py)")
     if int(getattr(args, "n_gpu", 0) or 0) > 1:
         raise NotImplementedError(
             f"TrainStreamTrainer trains on one GPU, and {args.n_gpu} are visible (Trainer would use "
@@ -232,16 +246,23 @@ class TrainStreamMixin(_Base):
         options = check_trainstream_options(trainstream)
         # Refused before Trainer builds anything (it moves the model, starts accelerate).
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        distributed = options.get("distributed", OPTIONS["distributed"])
         if isinstance(given, TrainingArguments):
-            check_training_args(given)
+            check_training_args(given, distributed)
         optimizers = kwargs.get("optimizers")
         if isinstance(optimizers, tuple) and optimizers and optimizers[0] is not None:
             check_optimizer(_inner(optimizers[0]))
         po = options.get("param_offload", OPTIONS["param_offload"])
+        # Several processes train data parallel through tsd (wrap(distributed=)): gradients are
+        # reduced at step(), so accelerate must not wrap the model in DistributedDataParallel
+        # (create_accelerator_and_postprocess), and weights are not paged (not with data parallel yet).
+        self._tsd_data_parallel = isinstance(given, TrainingArguments) and _world(given) > 1
         # Read by _move_model_to_device, which Trainer.__init__ calls.
-        self._tsd_pages_weights = wrap_places_model(po, kwargs.get("model", args[0] if args else None))
+        self._tsd_pages_weights = (not self._tsd_data_parallel
+                                   and wrap_places_model(po, kwargs.get("model", args[0] if args else None)))
         super().__init__(*args, **kwargs)
-        check_training_args(self.args)
+        check_training_args(self.args, distributed)
+        self._tsd_data_parallel = _world(self.args) > 1
         if self.optimizer is not None:
             check_optimizer(_inner(self.optimizer))
         cls_kwargs = getattr(self, "optimizer_cls_and_kwargs", None)
@@ -264,6 +285,18 @@ class TrainStreamMixin(_Base):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        if self.accelerator.num_processes > 1:
+            # Data parallel through tsd: the ranks' gradients are reduced once per step by wrap()'s
+            # distributed= (into one optimizer per node), so the model must not be wrapped in
+            # DistributedDataParallel, which would all-reduce them again during backward. accelerate's
+            # evaluation mode prepares a model as for training (device, mixed precision) without it.
+            prepare = self.accelerator.prepare_model
+
+            def prepare_model(model: nn.Module, device_placement: Optional[bool] = None,
+                              evaluation_mode: bool = False) -> nn.Module:
+                return prepare(model, device_placement=device_placement, evaluation_mode=True)
+
+            self.accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
         if getattr(self, "_tsd_pages_weights", False):
             # accelerate's prepare() would move the whole model to the device (and round-trip the
             # optimizer's state); Trainer moves each batch to args.device itself.
@@ -413,7 +446,7 @@ class TrainStreamMixin(_Base):
                         f"{len(buckets)} trained tensors there, {len(mine)} here")
             raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({diff}): resume with "
                              f"the same model, the same trainable parameters (LoRA config) and the same TrainingArguments")
-        _load_state(opt, state_path)
+        _load_state(opt, state_path)  # data parallel: every rank calls it, the node's first rank loads
         for saved, group in zip(groups, opt.param_groups):
             for k, v in saved.items():
                 group[k] = tuple(v) if k == "betas" else v
@@ -427,4 +460,5 @@ class TrainStreamTrainer(TrainStreamMixin, Trainer):
     """`transformers.Trainer` with AdamW, clipping, accumulation and the optimizer state in tsd.
     Takes Trainer's arguments plus `trainstream={...}`, the options of `trainstream.wrap()`
     (offload defaults to True here; max_grad_norm and accumulation_steps come from `args`).
-    Refuses fp16 (GradScaler), AMSGrad, optimizers other than AdamW and several processes."""
+    Refuses fp16 (GradScaler), AMSGrad and optimizers other than AdamW. Launched as several
+    processes (torchrun, accelerate launch), the ranks train data parallel through tsd."""
