@@ -4,6 +4,7 @@
 # repository, and what a run finds is added beside them (git-ignored), so the next run goes on
 # from there. Crashes, leaks and timeouts are written to build-fuzz/artifacts/ and fail the run.
 #   scripts/fuzz.sh TARGET SECONDS    run one target (e.g. fuzz_side_handler 600)
+#   scripts/fuzz.sh TARGET SECONDS RUNS  ... and stop after RUNS executions if that comes first
 #   scripts/fuzz.sh --smoke [SECONDS] run every target for SECONDS each (default 30): CI's smoke
 #   scripts/fuzz.sh --list            the targets
 #   scripts/fuzz.sh --seed            rewrite the seed-* inputs (after a protocol change)
@@ -39,15 +40,16 @@ build() {
   rm -f "$log"
 }
 
-# run TARGET SECONDS: prints "fuzz: TARGET: ..." and fails on any finding.
+# run TARGET SECONDS [RUNS]: prints "fuzz: TARGET: ..." and fails on any finding.
 run() {
-  local target=$1 seconds=$2 corpus="tests/fuzz/corpus/$1" log
+  local target=$1 seconds=$2 corpus="tests/fuzz/corpus/$1" log runs=()
+  [ -n "${3:-}" ] && runs=(-runs="$3")
   mkdir -p "$corpus" "$dir/artifacts"
   log=$(mktemp)
-  local rc=0
+  local rc=0 start=$SECONDS
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     "$dir/bin/$target" "$corpus" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
-    -max_len=8192 -print_final_stats=1 -artifact_prefix="$dir/artifacts/$target-" \
+    -max_len=8192 -print_final_stats=1 -artifact_prefix="$dir/artifacts/$target-" "${runs[@]}" \
     >"$log" 2>&1 || rc=$?
   local execs rate cov ft units
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
@@ -55,7 +57,7 @@ run() {
   cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
   ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
   units=$(find "$corpus" -type f | wc -l)
-  echo "fuzz: $target: ${execs:-?} executions in ${seconds} s (${rate:-?}/s), cov ${cov:-?} edges," \
+  echo "fuzz: $target: ${execs:-?} executions in $((SECONDS - start)) s (${rate:-?}/s), cov ${cov:-?} edges," \
        "ft ${ft:-?}, corpus $units inputs"
   if [ "$rc" -ne 0 ]; then
     echo "fuzz: $target FAILED (exit $rc); the end of its log:" >&2
@@ -87,12 +89,12 @@ case "${1:-}" in
     ;;
   *)
     target=$1
-    seconds=${2:?usage: scripts/fuzz.sh TARGET SECONDS}
+    seconds=${2:?usage: scripts/fuzz.sh TARGET SECONDS [RUNS]}
     if ! printf '%s\n' "${targets[@]}" | grep -qx "$target"; then
       echo "fuzz: unknown target '$target'; the targets are: ${targets[*]}" >&2
       exit 2
     fi
     build "$target"
-    run "$target" "$seconds"
+    run "$target" "$seconds" "${3:-}"
     ;;
 esac
