@@ -254,6 +254,50 @@ struct Client::Impl {
     }
   }
 
+  // Sends `req` (a request that needs no session: checkpoint, list_stores) on a connection of
+  // its own, which tsd closes after the reply, and returns the reply as Call does. Only while no
+  // session's connection is open; what a dead session's calls are told is kept.
+  absl::StatusOr<std::pair<v1::SideReply, int>> CallAlone(v1::SideRequest req, int fd,
+                                                          absl::Duration timeout, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (side_fd >= 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what,
+                       " uses a connection of its own: call it on a client that is not "
+                       "attached"));
+    }
+    const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string side = wire::SideSocketPath(socket_path);
+    if (side.size() >= sizeof(addr.sun_path)) {
+      close(sock);
+      return absl::InvalidArgumentError(absl::StrCat("side socket path '", side, "' is too long"));
+    }
+    std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
+    if (connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      const int err = errno;
+      close(sock);
+      return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
+                                                 std::strerror(err), "; ",
+                                                 HowToStart(socket_path)));
+    }
+    const std::string why = std::move(closed_why);
+    const absl::StatusCode code = closed_code;
+    side_fd = sock;  // for this one request; closed below whatever happens
+    closed_why.clear();
+    assembler.Reset();
+    auto reply = Call(std::move(req), fd, timeout, what);
+    if (side_fd >= 0) close(side_fd);
+    side_fd = -1;
+    attached = false;
+    assembler.Reset();
+    closed_why = why;
+    closed_code = code;
+    return reply;
+  }
+
   absl::StatusOr<v1::SideReply> CallNoFd(v1::SideRequest req, const char* what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     TSD_ASSIGN_OR_RETURN(auto reply, Call(std::move(req), -1, request_timeout, what));
@@ -728,37 +772,10 @@ double Client::orphaned_s() const {
 
 absl::StatusOr<uint64_t> Client::Checkpoint(const std::string& job, int fd) {
   MutexLock lock(impl_->mu);
-  if (impl_->side_fd >= 0) {
-    return absl::FailedPreconditionError(
-        "Checkpoint() uses a connection of its own: call it on a client that is not attached");
-  }
-  const int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (sock < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string side = wire::SideSocketPath(socket_path_);
-  if (side.size() >= sizeof(addr.sun_path)) {
-    close(sock);
-    return absl::InvalidArgumentError(absl::StrCat("side socket path '", side, "' is too long"));
-  }
-  std::memcpy(addr.sun_path, side.c_str(), side.size() + 1);
-  if (connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const int err = errno;
-    close(sock);
-    return absl::UnavailableError(absl::StrCat("cannot connect to tsd's side socket ", side, ": ",
-                                               std::strerror(err), "; ", HowToStart(socket_path_)));
-  }
-  impl_->side_fd = sock;  // for this one request; closed below whatever happens
-  impl_->closed_why.clear();
-  impl_->assembler.Reset();
   v1::SideRequest req;
   req.mutable_checkpoint()->set_job(job);
-  auto reply = impl_->Call(std::move(req), fd, std::max(impl_->request_timeout, kMinStateTimeout),
-                           "checkpoint");
-  if (impl_->side_fd >= 0) close(impl_->side_fd);
-  impl_->side_fd = -1;
-  impl_->closed_why.clear();
-  impl_->assembler.Reset();
+  auto reply = impl_->CallAlone(std::move(req), fd,
+                                std::max(impl_->request_timeout, kMinStateTimeout), "Checkpoint()");
   if (!reply.ok()) return reply.status();
   if (reply->second >= 0) close(reply->second);
   return reply->first.state().bytes();
@@ -918,19 +935,36 @@ absl::StatusOr<std::shared_ptr<DeviceStoreView>> Client::OpenDeviceStore(
   return DeviceStoreView::Map(store_id, r.gpu_uuid(), closer.fd, r.size_bytes(), r.data_bytes());
 }
 
-absl::StatusOr<std::vector<StoreStatus>> Client::Stores() {
-  v1::ListStoresRequest req;
-  v1::ListStoresResponse r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->ListStores(&ctx, req, &r);
-  if (!s.ok()) {
+absl::StatusOr<StoreListing> Client::ListStores() {
+  // On the side socket, where tsd learns this process's uid: the gRPC ListStores cannot tell who
+  // calls and gives the node's totals only.
+  std::pair<v1::SideReply, int> reply;
+  {
     MutexLock lock(impl_->mu);
-    return impl_->Explain(s);
+    v1::SideRequest req;
+    req.mutable_list_stores();
+    if (impl_->attached) {
+      TSD_ASSIGN_OR_RETURN(reply,
+                           impl_->Call(std::move(req), -1, impl_->request_timeout, "list_stores"));
+    } else {
+      TSD_ASSIGN_OR_RETURN(
+          reply, impl_->CallAlone(std::move(req), -1, impl_->request_timeout, "list_stores"));
+    }
   }
-  std::vector<StoreStatus> out;
-  for (const v1::StoreInfo& i : r.stores()) out.push_back(FromInfo(i));
+  if (reply.second >= 0) close(reply.second);
+  const v1::ListStoresResponse& r = reply.first.list_stores();
+  StoreListing out;
+  for (const v1::StoreInfo& i : r.stores()) out.stores.push_back(FromInfo(i));
+  out.node_stores = r.store_count();
+  out.node_bytes = r.used_bytes();
+  out.budget_bytes = r.budget_bytes();
+  out.omitted = r.omitted();
   return out;
+}
+
+absl::StatusOr<std::vector<StoreStatus>> Client::Stores() {
+  TSD_ASSIGN_OR_RETURN(StoreListing listing, ListStores());
+  return std::move(listing.stores);
 }
 
 }  // namespace tsd

@@ -87,12 +87,37 @@ int PrintJobs(tsd::Client& client, bool json) {
   return 0;
 }
 
+// What `tsctl stores` says of the stores it does not show: those of other uids (a store is
+// listed only to the uids that proved they may read its files), and any left out of the reply.
+std::string NotShownNote(const tsd::StoreListing& listing) {
+  std::string note;
+  const uint64_t others =
+      listing.not_shown() > listing.omitted ? listing.not_shown() - listing.omitted : 0;
+  if (others > 0) {
+    note += std::to_string(others) + (others == 1 ? " more store" : " more stores") +
+            " held by other users " + (others == 1 ? "is" : "are") +
+            " not shown (tsd lists a store to the users whose jobs opened it with its files; "
+            "totals: " +
+            std::to_string(listing.node_stores) +
+            (listing.node_stores == 1 ? " store, " : " stores, ") +
+            tsd::wire::FormatBytes(listing.node_bytes) + " of the " +
+            tsd::wire::FormatBytes(listing.budget_bytes) + " store budget)\n";
+  }
+  if (listing.omitted > 0) {
+    note += std::to_string(listing.omitted) +
+            " of your stores did not fit tsd's reply and are not shown\n";
+  }
+  return note;
+}
+
 int PrintStores(tsd::Client& client, bool json) {
-  auto stores = client.Stores();
-  if (!stores.ok()) {
-    std::cerr << "tsctl: " << stores.status().message() << "\n";
+  auto listing = client.ListStores();
+  if (!listing.ok()) {
+    std::cerr << "tsctl: " << listing.status().message() << "\n";
     return 1;
   }
+  const std::vector<tsd::StoreStatus>* stores = &listing->stores;
+  const std::string note = NotShownNote(*listing);
   if (json) {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& s : *stores) {
@@ -115,6 +140,7 @@ int PrintStores(tsd::Client& client, bool json) {
                      {"device_copies", devices}});
     }
     std::cout << out.dump() << "\n";
+    if (!note.empty()) std::cerr << "tsctl: note: " << note;  // stdout stays one JSON array
     return 0;
   }
   std::printf("%6s %-6s %12s %6s %8s  %s\n", "STORE", "FORMAT", "BYTES", "USERS", "IDLE", "SOURCE");
@@ -133,6 +159,7 @@ int PrintStores(tsd::Client& client, bool json) {
                   d.gpu_uuid.c_str());
     }
   }
+  if (!note.empty()) std::printf("note: %s", note.c_str());
   return 0;
 }
 
@@ -384,10 +411,12 @@ int main(int argc, char** argv) {
       "bucket_update_p99_s, moment_dtype, client_reports, step_wait_s, "
       "h2d_bytes_per_step, d2h_bytes_per_step}");
   auto* stores = app.add_subcommand(
-      "stores", "the node's weight stores: id, format, bytes, users, idle time, source files");
+      "stores",
+      "the weight stores your jobs opened (all of them for tsd's own uid): id, format, bytes, "
+      "users, idle time, source files; a note counts the stores of other users, not shown");
   stores->add_flag("--json", stores_json,
                    "a JSON array of {id, source, format, block_size, bytes, users, idle_s, "
-                   "digest, tensors}");
+                   "digest, tensors, device_copies}; the note goes to stderr");
   TopOptions top_options;
   auto* top = app.add_subcommand(
       "top",

@@ -304,7 +304,9 @@ class Client:
         self._c.close_store(int(store_id))
 
     def stores(self) -> list[StoreInfo]:
-        """Every complete weight store of the node (metadata only)."""
+        """The complete weight stores this user may see (metadata only): those its jobs opened
+        with the stores' files, every one for tsd's own uid (docs/stores.md, "Isolation"). Works
+        attached or not; other users' stores are not listed."""
         return [StoreInfo(**d) for d in self._c.stores()]
 
     def _register_optimizer(self, **spec: Any) -> Any:

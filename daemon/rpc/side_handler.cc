@@ -54,6 +54,8 @@ const char* KindName(const v1::SideRequest& r) {
       return "open_device_store";
     case v1::SideRequest::kCheckpoint:
       return "checkpoint";
+    case v1::SideRequest::kListStores:
+      return "list_stores";
     case v1::SideRequest::KIND_NOT_SET:
       break;
   }
@@ -131,7 +133,8 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
                             "side request ", request.request_id(),
                             " names no request (attach, alloc, free, list_regions, get_fd, "
                             "detach, register_optimizer, save_state, load_state, store_file, "
-                            "open_store, close_store or open_device_store)")));
+                            "open_store, close_store, open_device_store, list_stores or "
+                            "checkpoint)")));
     out.close = caller.session_id == 0;
     out.close_reason = "empty_request";
     return out;
@@ -160,6 +163,14 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     }
     out.close = caller.session_id == 0;
     out.close_reason = "checkpoint_done";
+    return out;
+  }
+  if (request.has_list_stores()) {
+    // Needs no session (tsctl stores): the stores the caller's uid proved read access to. Without
+    // a session it is the connection's only request, as checkpoint is: it closes afterwards.
+    ListStores(caller, *out.reply.mutable_list_stores());
+    out.close = caller.session_id == 0;
+    out.close_reason = "list_stores_done";
     return out;
   }
   if (caller.session_id == 0) {
@@ -234,7 +245,7 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     case v1::SideRequest::kCloseStore:
     case v1::SideRequest::kOpenDeviceStore: {
       const int taken = std::exchange(closer.fd, -1);
-      if (absl::Status s = Store(sid, request, taken, out); !s.ok()) SetError(out.reply, s);
+      if (absl::Status s = Store(caller, request, taken, out); !s.ok()) SetError(out.reply, s);
       break;
     }
     case v1::SideRequest::kDetach: {
@@ -250,6 +261,7 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     }
     case v1::SideRequest::kAttach:
     case v1::SideRequest::kCheckpoint:
+    case v1::SideRequest::kListStores:
     case v1::SideRequest::KIND_NOT_SET:
       break;  // handled above
   }

@@ -4,9 +4,12 @@
 // It checks what the Registry does not (the protocol version, which requests may carry a
 // descriptor, what kind of file a state descriptor is) and maps each request to the Registry or
 // the job's optimizer. It holds no state of its own, so the side server's workers share one.
+// Two requests need no session: `checkpoint` and `list_stores` (the stores the caller's uid
+// proved read access to; every store for tsd's own uid).
 #pragma once
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <cstdint>
 
@@ -34,12 +37,10 @@ struct SideOutcome {
   const char* close_reason = "";
 };
 
-// Writes a store's status as the protocol shows it (ListStores and open_store's reply).
-void DescribeStore(v1::StoreInfo& info, const stores::StoreStatus& status);
-
 class SideHandler final {
  public:
-  // `stores` may be null: store requests are then refused (UNIMPLEMENTED).
+  // `stores` may be null: store requests are then refused (UNIMPLEMENTED), and list_stores
+  // lists none.
   explicit SideHandler(Registry& registry, stores::StoreManager* stores = nullptr)
       : registry_(registry), registrar_(registry), stores_(stores) {}
 
@@ -54,11 +55,15 @@ class SideHandler final {
   // tsctl checkpoint: writes `job`'s optimizer state into `fd` for its owner (side_handler.cc).
   absl::StatusOr<uint64_t> Checkpoint(const SideCaller& caller, const std::string& job, int fd);
   // store_file, open_store and close_store (side_handler_stores.cc); takes `fd`.
-  absl::Status Store(uint64_t session_id, const v1::SideRequest& request, int fd, SideOutcome& out);
+  absl::Status Store(const SideCaller& caller, const v1::SideRequest& request, int fd,
+                     SideOutcome& out);
+  // list_stores (side_handler_stores.cc): what `caller`'s uid may see, and the node's totals.
+  void ListStores(const SideCaller& caller, v1::ListStoresResponse& reply) const;
 
   Registry& registry_;
   Registrar registrar_;
   stores::StoreManager* const stores_;
+  const uid_t daemon_uid_ = geteuid();  // sees every store
 };
 
 }  // namespace tsd

@@ -1,11 +1,15 @@
 // The store requests of the side socket (proto/tsd.proto, "Weight stores"): SideHandler's half
-// that maps them to the StoreManager. The client's list of tensors is copied into a StoreSpec
-// unchecked here: the StoreManager and the builder check every name, size, dtype and shape.
+// that maps them to the StoreManager, and list_stores. The client's list of tensors is copied
+// into a StoreSpec unchecked here: the StoreManager and the builder check every name, size, dtype
+// and shape.
 #include <unistd.h>
+
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/rpc/side_handler.h"
 #include "proto/status_macros.h"
+#include "proto/wire.h"
 
 namespace tsd {
 namespace {
@@ -32,8 +36,9 @@ void Fill(v1::StoreInfo& info, const stores::StoreStatus& s) {
 
 }  // namespace
 
-absl::Status SideHandler::Store(uint64_t session_id, const v1::SideRequest& request, int fd,
+absl::Status SideHandler::Store(const SideCaller& caller, const v1::SideRequest& request, int fd,
                                 SideOutcome& out) {
+  const uint64_t session_id = caller.session_id;
   struct Closer {
     int fd;
     ~Closer() {
@@ -75,7 +80,8 @@ absl::Status SideHandler::Store(uint64_t session_id, const v1::SideRequest& requ
   for (const v1::StoreTensorSpec& t : open.tensors()) {
     spec.tensors.push_back({t.name(), t.quantize()});
   }
-  TSD_ASSIGN_OR_RETURN(stores::OpenedStore opened, stores_->Open(session_id, user, spec));
+  TSD_ASSIGN_OR_RETURN(stores::OpenedStore opened,
+                       stores_->Open(session_id, user, spec, caller.uid));
   auto* reply = out.reply.mutable_open_store();
   Fill(*reply->mutable_store(), opened.status);
   reply->set_built(opened.built);
@@ -94,6 +100,28 @@ absl::Status SideHandler::Store(uint64_t session_id, const v1::SideRequest& requ
   return absl::OkStatus();
 }
 
-void DescribeStore(v1::StoreInfo& info, const stores::StoreStatus& status) { Fill(info, status); }
+void SideHandler::ListStores(const SideCaller& caller, v1::ListStoresResponse& reply) const {
+  if (stores_ == nullptr) return;  // no stores: nothing to see, totals 0
+  const stores::StoreListing listing =
+      stores_->ListFor(caller.uid == daemon_uid_ ? std::nullopt : std::optional<uid_t>(caller.uid));
+  reply.set_store_count(listing.node_stores);
+  reply.set_used_bytes(listing.node_bytes);
+  reply.set_budget_bytes(stores_->Totals().budget_bytes);
+  // A store's source list can be long (up to max_staged_files paths): stop short of the side
+  // socket's message limit and say how many were left out.
+  size_t bytes = reply.ByteSizeLong();
+  constexpr size_t kRoom = wire::kMaxSideMessageBytes - 64 * 1024;
+  for (const stores::StoreStatus& s : listing.stores) {
+    v1::StoreInfo info;
+    Fill(info, s);
+    const size_t more = info.ByteSizeLong() + 8;  // the field's tag and length
+    if (bytes + more > kRoom) {
+      reply.set_omitted(reply.omitted() + 1);
+      continue;
+    }
+    bytes += more;
+    *reply.add_stores() = std::move(info);
+  }
+}
 
 }  // namespace tsd

@@ -175,7 +175,7 @@ absl::Status StoreManager::StageFile(uint64_t session, const StoreUser& user, in
 }
 
 absl::StatusOr<OpenedStore> StoreManager::Open(uint64_t session, const StoreUser& user,
-                                               const StoreSpec& spec) {
+                                               const StoreSpec& spec, uid_t uid) {
   std::vector<SourceFile> files;
   {
     MutexLock lock(mu_);
@@ -246,8 +246,21 @@ absl::StatusOr<OpenedStore> StoreManager::Open(uint64_t session, const StoreUser
     return absl::AbortedError(absl::StrCat("job '", user.job, "' was released while store ",
                                            store->id, " was being built"));
   }
+  ProvedLocked(*store, uid);
   store->last_used = absl::Now();
   return Describe(*store, builder);
+}
+
+void StoreManager::ProvedLocked(Store& store, uid_t uid) {
+  auto it = std::find(store.provers.begin(), store.provers.end(), uid);
+  if (it != store.provers.end()) store.provers.erase(it);
+  store.provers.push_back(uid);
+  const size_t bound = std::max<size_t>(options_.max_provers, 1);
+  if (store.provers.size() > bound) {
+    spdlog::debug("event=store_prover_forgotten store={} uid={} bound={}", store.id,
+                  store.provers.front(), bound);
+    store.provers.erase(store.provers.begin());
+  }
 }
 
 absl::Status StoreManager::Build(const StorePtr& store, const std::vector<SourceFile>& files) {
@@ -501,6 +514,21 @@ std::vector<StoreStatus> StoreManager::List() const {
   std::vector<StoreStatus> out;
   for (const auto& [id, s] : stores_) {
     if (s->state == State::kReady) out.push_back(StatusOf(*s, now));
+  }
+  return out;
+}
+
+StoreListing StoreManager::ListFor(std::optional<uid_t> uid) const {
+  MutexLock lock(mu_);
+  const absl::Time now = absl::Now();
+  StoreListing out;
+  for (const auto& [id, s] : stores_) {
+    if (s->state != State::kReady) continue;
+    ++out.node_stores;
+    out.node_bytes += s->bytes;
+    if (!uid || std::find(s->provers.begin(), s->provers.end(), *uid) != s->provers.end()) {
+      out.stores.push_back(StatusOf(*s, now));
+    }
   }
   return out;
 }

@@ -11,7 +11,12 @@
 //
 // Isolation. The only way to a store is to present descriptors of its source files, open for
 // reading (which proves read access); a store's memory is handed out as a read-only descriptor of
-// a sealed memfd (daemon/stores/sealed_memory.h): no client can write or resize it.
+// a sealed memfd (daemon/stores/sealed_memory.h): no client can write or resize it. Listing
+// follows the same rule: a store remembers the uids that proved read access to it (the uid of
+// each job whose staged descriptors built or found it) and `ListFor` shows a uid only those
+// stores. A store keeps at most `max_provers` uids (clients are untrusted: the books stay
+// bounded); a new one beyond that replaces the uid whose proof is oldest, which can still open
+// the store by presenting its files again (and then sees it listed again).
 //
 // Lifetime. A store becomes visible only once complete; a build that fails for any reason leaves
 // nothing, and requests for a store being built wait for that one build (up to `build_wait`,
@@ -32,6 +37,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -55,6 +61,7 @@ struct StoreManagerOptions {
   bool lock_memory = false;                         // mlock() stores in the daemon
   kernels::Isa isa = kernels::Isa::kScalar;         // of the quantize kernels
   size_t max_staged_files = 1024;                   // per session
+  size_t max_provers = 32;                          // uids a store remembers for listing (>= 1)
   bool gpu_stores = false;                          // device copies (the `gpu_stores` setting)
   DeviceCopies::DriverLoader gpu_driver = nullptr;  // loads the CUDA driver; null: libcuda.so.1
 };
@@ -89,6 +96,13 @@ struct OpenedStore {
   bool built = false;  // this request built it (else it existed, or another request built it)
 };
 
+// What `ListFor` shows: the stores a uid may see, and the node's totals at the same moment.
+struct StoreListing {
+  std::vector<StoreStatus> stores;  // by id
+  uint64_t node_stores = 0;         // every complete store, seen or not
+  uint64_t node_bytes = 0;          // their bytes
+};
+
 // The aggregate figures of /metrics.
 struct StoreTotals {
   uint64_t stores = 0;
@@ -110,9 +124,11 @@ class StoreManager final {
   // (and closed) unless it is a regular file open for reading.
   absl::Status StageFile(uint64_t session, const StoreUser& user, int fd) ABSL_LOCKS_EXCLUDED(mu_);
   // Finds or builds the store of the files `session` staged (in the order staged; they are
-  // consumed either way) and `spec`, and counts `user` among its users.
-  absl::StatusOr<OpenedStore> Open(uint64_t session, const StoreUser& user, const StoreSpec& spec)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // consumed either way) and `spec`, and counts `user` among its users. On success `uid` (the
+  // session's, as the kernel reported it) has proved read access to the store's files: the store
+  // is listed to it from now on (ListFor).
+  absl::StatusOr<OpenedStore> Open(uint64_t session, const StoreUser& user, const StoreSpec& spec,
+                                   uid_t uid) ABSL_LOCKS_EXCLUDED(mu_);
   // `user` stops using store `id` (NOT_FOUND when it does not use it).
   absl::Status Close(const StoreUser& user, uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
   // The copy of store `id`, which `user` uses, on GPU `gpu_uuid` (daemon/stores/device_copies.h),
@@ -129,8 +145,11 @@ class StoreManager final {
   void Sweep(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
   void SetKeep(absl::Duration keep) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Complete stores, by id.
+  // Complete stores, by id: every one (tsd's own view; tests).
   std::vector<StoreStatus> List() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The complete stores `uid` proved read access to (every one when `uid` is nullopt: tsd's own
+  // uid), with the node's count and bytes taken under the same lock.
+  StoreListing ListFor(std::optional<uid_t> uid) const ABSL_LOCKS_EXCLUDED(mu_);
   StoreTotals Totals() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -149,6 +168,8 @@ class StoreManager final {
     std::string digest;
     uint64_t bytes = 0;
     std::set<StoreUser> users;
+    // The uids that proved read access (Open), oldest proof first; at most max_provers.
+    std::vector<uid_t> provers;
     absl::Time last_used;
     // Set when the build found a copy of this checkpoint already stored: the store to use.
     std::shared_ptr<Store> moved_to;
@@ -164,6 +185,8 @@ class StoreManager final {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<OpenedStore> Describe(const Store& store, bool built) const;
   StoreStatus StatusOf(const Store& store, absl::Time now) const;
+  // `uid` proved read access to `store` just now: it becomes the newest of its provers.
+  void ProvedLocked(Store& store, uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the least recently used unused store; false when there is none. Its memory goes to
   // `dead`, to be freed once the lock is dropped.
   bool EvictOneLocked(std::vector<StorePtr>& dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

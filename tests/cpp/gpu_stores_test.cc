@@ -130,7 +130,7 @@ class GpuStoresTest : public ::testing::Test {
   uint64_t OpenStore(stores::StoreManager& m, uint64_t session, const stores::StoreUser& user) {
     const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
     EXPECT_TRUE(m.StageFile(session, user, fd).ok());
-    auto opened = m.Open(session, user, stores::StoreSpec{});
+    auto opened = m.Open(session, user, stores::StoreSpec{}, getuid());
     EXPECT_TRUE(opened.ok()) << opened.status();
     if (!opened.ok()) return 0;
     close(opened->fd);

@@ -144,6 +144,24 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
   EXPECT_THAT(r.message(), HasSubstr("remain"));
   EXPECT_EQ(r.request_id(), 1u) << "the id was readable, so the error reply carries it";
   EXPECT_TRUE(closed);
+  // A cut-off list_stores (field 25 says 5 bytes, 2 follow): refused naming it, connection closed.
+  raw.ConnectSide();
+  r = raw.SendRaw(std::string("\x08\x02\xca\x01\x05\x08\x01", 7), &closed);
+  EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(r.message(), HasSubstr("field 25 (list_stores)"));
+  EXPECT_FALSE(r.has_list_stores());
+  EXPECT_TRUE(closed);
+  // A well-formed one needs no session: answered, then the connection closes, as it is the
+  // connection's only request.
+  raw.ConnectSide();
+  v1::SideRequest list;
+  list.set_request_id(3);
+  list.mutable_list_stores();
+  r = raw.SendRaw(list.SerializeAsString(), &closed);
+  EXPECT_EQ(r.code(), 0) << r.message();
+  EXPECT_TRUE(r.has_list_stores());
+  EXPECT_EQ(r.request_id(), 3u);
+  EXPECT_TRUE(closed);
   // A job name that is not UTF-8, as protobuf strings must be.
   raw.ConnectSide();
   v1::SideRequest latin1 = attach;
@@ -178,9 +196,9 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
   fragment.set_fragment("partial");
   fragment.set_more_fragments(true);
   ASSERT_TRUE(wire::SendDatagram(raw.side_fd(), fragment.SerializeAsString()).ok());
-  v1::SideRequest list;
-  list.mutable_list_regions();
-  r = raw.Request(list, &closed);
+  v1::SideRequest regions;
+  regions.mutable_list_regions();
+  r = raw.Request(regions, &closed);
   EXPECT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(r.message(), HasSubstr("fragments of request 77"));
   EXPECT_FALSE(closed);

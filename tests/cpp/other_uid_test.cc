@@ -554,6 +554,21 @@ TEST(OtherUid, AStoreIsReachedOnlyWithReadAccessToItsFiles) {
       }
     }
     out["proc_fd_reopened"] = Str(reopened);
+    // Listing shows the store only to a uid that proved read access: not yet, on the session
+    // or on a connection of its own; the totals count it.
+    v1::SideRequest list;
+    list.mutable_list_stores();
+    rep = c.Call(list);
+    out["list_in_session"] = Str(rep.code);
+    out["list_in_session_stores"] = Str(rep.msg.list_stores().stores_size());
+    SideConn alone(d->socket());
+    rep = alone.Call(list);
+    out["list_alone"] = Str(rep.code);
+    out["list_alone_stores"] = Str(rep.msg.list_stores().stores_size());
+    out["list_alone_count"] = std::to_string(rep.msg.list_stores().store_count());
+    out["list_alone_mentions_file"] =
+        Str(rep.msg.SerializeAsString().find("base.safetensors") != std::string::npos);
+    out["list_alone_closed"] = Str(alone.ClosedByDaemon());
   };
   const Report denied = AsUid(kNobody, kNogroup, attack);
   ASSERT_EQ(denied.at("dropped"), "1") << Dump(denied);
@@ -569,6 +584,30 @@ TEST(OtherUid, AStoreIsReachedOnlyWithReadAccessToItsFiles) {
   EXPECT_EQ(denied.at("close_owners_store"), Str(kNotFound)) << Dump(denied);
   EXPECT_EQ(denied.at("proc_fd_dir_errno"), Str(EACCES)) << Dump(denied);
   EXPECT_EQ(denied.at("proc_fd_reopened"), "0");
+  EXPECT_EQ(denied.at("list_in_session"), Str(kOk)) << Dump(denied);
+  EXPECT_EQ(denied.at("list_in_session_stores"), "0") << "listed before proving read access";
+  EXPECT_EQ(denied.at("list_alone"), Str(kOk)) << Dump(denied);
+  EXPECT_EQ(denied.at("list_alone_stores"), "0") << "listed before proving read access";
+  EXPECT_EQ(denied.at("list_alone_count"), "1") << "the node's totals count every store";
+  EXPECT_EQ(denied.at("list_alone_mentions_file"), "0") << "the source path leaked";
+  EXPECT_EQ(denied.at("list_alone_closed"), "1") << "a sessionless list_stores closes";
+  // tsctl as that uid: no store, a note that one of another user's is not shown.
+  const std::string tsctl = std::string(TSCTL_BINARY) + " --socket " + d->socket();
+  const std::string as_nobody = "setpriv --reuid=65534 --regid=65534 --groups=65534 ";
+  int rc = -1;
+  std::string listed = RunCommand(as_nobody + tsctl + " stores 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << listed;
+  EXPECT_THAT(listed, Not(HasSubstr("base.safetensors")));
+  EXPECT_THAT(listed, HasSubstr("1 more store held by other users is not shown")) << listed;
+  listed = RunCommand(as_nobody + tsctl + " stores --json 2>/dev/null", &rc);
+  EXPECT_EQ(rc, 0) << listed;
+  const auto none = nlohmann::json::parse(listed, nullptr, false);
+  ASSERT_TRUE(none.is_array()) << listed;
+  EXPECT_TRUE(none.empty()) << listed;
+  // The owner (root: tsd's own uid) sees it, with its path and no note.
+  const std::string as_owner = RunCommand(tsctl + " stores 2>&1", &rc);
+  EXPECT_THAT(as_owner, HasSubstr(ckpt)) << as_owner;
+  EXPECT_THAT(as_owner, Not(HasSubstr("not shown"))) << as_owner;
   auto stores = owner->Stores();
   ASSERT_TRUE(stores.ok());
   ASSERT_EQ(stores->size(), 1u);
@@ -590,6 +629,12 @@ TEST(OtherUid, AStoreIsReachedOnlyWithReadAccessToItsFiles) {
     out["open_store"] = Str(rep.code);
     out["open_store_message"] = rep.message;
     out["store_id"] = std::to_string(rep.msg.open_store().store().store_id());
+    v1::SideRequest list;
+    list.mutable_list_stores();
+    const Reply listed = c.Call(list);
+    out["listed_ids"] = listed.msg.list_stores().stores_size() == 1
+                            ? std::to_string(listed.msg.list_stores().stores(0).store_id())
+                            : "count " + Str(listed.msg.list_stores().stores_size());
     if (rep.fd >= 0) {
       const size_t size = rep.msg.open_store().store().size_bytes();
       void* rw = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, rep.fd, 0);
@@ -609,6 +654,7 @@ TEST(OtherUid, AStoreIsReachedOnlyWithReadAccessToItsFiles) {
   EXPECT_EQ(allowed.at("stage"), Str(kOk)) << Dump(allowed);
   EXPECT_EQ(allowed.at("open_store"), Str(kOk)) << Dump(allowed);
   EXPECT_EQ(allowed.at("store_id"), std::to_string(store_id)) << "the same store, not a copy";
+  EXPECT_EQ(allowed.at("listed_ids"), std::to_string(store_id)) << "listed once proved";
   EXPECT_EQ(allowed.at("map_writable_errno"), Str(EACCES)) << Dump(allowed);
   EXPECT_EQ(allowed.at("map_readonly"), "1");
   EXPECT_EQ(allowed.at("mprotect_write_errno"), Str(EACCES)) << Dump(allowed);
@@ -621,12 +667,21 @@ TEST(OtherUid, AStoreIsReachedOnlyWithReadAccessToItsFiles) {
       },
       5))
       << "the reader's job ended with its connection";
+  // The proof outlives the reader's job: that uid's tsctl lists the store now, with no note.
+  listed = RunCommand(as_nobody + tsctl + " stores --json 2>&1", &rc);
+  EXPECT_EQ(rc, 0) << listed;
+  const auto one = nlohmann::json::parse(listed, nullptr, false);
+  ASSERT_TRUE(one.is_array()) << listed;
+  ASSERT_EQ(one.size(), 1u) << listed;
+  EXPECT_EQ(one[0]["id"], store_id);
+  EXPECT_EQ(one[0]["source"], ckpt);
 }
 
 // ---------------------------------------------------------------------------------------------
 // A member of the socket group is an ordinary client: it reaches both sockets, sees the pool and
 // the job list (names, owner uids and usage: the documented exposure of the control socket) and
-// the stores' metadata, and runs a job of its own. A uid outside the group cannot connect.
+// the stores' totals (their metadata only for stores it opened: AStoreIsReachedOnly... above),
+// and runs a job of its own. A uid outside the group cannot connect.
 
 TEST(OtherUid, ASocketGroupMemberIsAnOrdinaryClientOfItsOwnJobs) {
   SKIP_UNLESS_ROOT();

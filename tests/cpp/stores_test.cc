@@ -20,11 +20,13 @@
 #include <thread>
 
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include "daemon_process.h"
 #include "kernels/cpu/quant_format.h"
 #include "nlohmann/json.hpp"
+#include "proto/tsd.grpc.pb.h"
 
 namespace tsd::testing {
 namespace {
@@ -181,6 +183,25 @@ TEST(Stores, TwoJobsMapOneStoreWithOneChargeAndTwoUsers) {
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0]["users"], 2);
   EXPECT_EQ(listed[0]["id"], (*va)->id());
+  // The control socket cannot tell who calls: its ListStores gives the node's totals only.
+  auto stub = v1::Tsd::NewStub(
+      grpc::CreateChannel("unix:" + d->socket(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::ListStoresResponse totals;
+  ASSERT_TRUE(stub->ListStores(&ctx, v1::ListStoresRequest(), &totals).ok());
+  EXPECT_EQ(totals.stores_size(), 0) << "per-store detail on the control socket";
+  EXPECT_EQ(totals.store_count(), 1u);
+  EXPECT_EQ(totals.used_bytes(), (*stores)[0].bytes);
+  EXPECT_GT(totals.budget_bytes(), 0u);
+  // Unattached, the client asks on a connection of its own: the same listing, with the totals.
+  auto probe = d->Connect();
+  auto listing = probe->ListStores();
+  ASSERT_TRUE(listing.ok()) << listing.status();
+  ASSERT_EQ(listing->stores.size(), 1u);
+  EXPECT_EQ(listing->node_stores, 1u);
+  EXPECT_EQ(listing->node_bytes, (*stores)[0].bytes);
+  EXPECT_EQ(listing->budget_bytes, totals.budget_bytes());
+  EXPECT_EQ(listing->not_shown(), 0u);
 
   // One job leaves: one user left, the store stays.
   ASSERT_TRUE(a->CloseStore((*va)->id()).ok());

@@ -107,6 +107,15 @@ int main(int argc, char** argv) {
   session += Frame(r);
   Write(root + "/fuzz_side_handler", "seed-session", session);
   Write(root + "/fuzz_side_message", "seed-session", session);
+  // list_stores: on a connection of its own (it closes), then in a session.
+  r.Clear();
+  r.set_request_id(1);
+  r.mutable_list_stores();
+  std::string listing = Frame(r) + Frame(Attach(1));
+  r.set_request_id(2);
+  listing += Frame(r);
+  Write(root + "/fuzz_side_handler", "seed-list-stores", listing);
+  Write(root + "/fuzz_side_message", "seed-list-stores", listing);
   // A registration in two fragments.
   const std::string whole = Register(2, {1, 2, 3, 4}).SerializeAsString();
   SideRequest f1, f2;

@@ -208,7 +208,11 @@ class Client final {
   // (tsd/device_store.h); tsd must run with gpu_stores = true.
   absl::StatusOr<std::shared_ptr<DeviceStoreView>> OpenDeviceStore(uint64_t store_id,
                                                                    const std::string& gpu_uuid);
-  // Every complete store of the node (metadata only; needs no session).
+  // The stores this process's uid may see (those it proved read access to by opening them; every
+  // store for tsd's own uid) and the node's totals (tsd/store.h). Metadata only; needs no
+  // session: an attached client asks on its session, another on a connection of its own.
+  absl::StatusOr<StoreListing> ListStores();
+  // ListStores()'s stores.
   absl::StatusOr<std::vector<StoreStatus>> Stores();
 
   // How long a request of the session waits for its reply (default 120 s; saving and loading

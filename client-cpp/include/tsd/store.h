@@ -51,7 +51,7 @@ struct DeviceCopyStatus {
   double idle_s = 0;
 };
 
-// A store as `Client::Stores` (and `tsctl stores`) reports it.
+// A store as `Client::ListStores` (and `tsctl stores`) reports it.
 struct StoreStatus {
   uint64_t id = 0;
   std::string source;  // the files' paths when tsd built it
@@ -64,6 +64,21 @@ struct StoreStatus {
   uint32_t tensors = 0;
   bool locked = false;
   std::vector<DeviceCopyStatus> device_copies = {};
+};
+
+// What `Client::ListStores` (and `tsctl stores`) reports. A store is described only to the uids
+// that proved they may read its files (a job of theirs opened it; tsd remembers the last 32 such
+// uids per store) and to tsd's own uid; the totals cover every store of the node.
+struct StoreListing {
+  std::vector<StoreStatus> stores;  // the caller's, by id
+  uint64_t node_stores = 0;         // complete stores on the node, the caller's and others'
+  uint64_t node_bytes = 0;          // their bytes
+  uint64_t budget_bytes = 0;        // the store budget (tsd's store_budget)
+  uint32_t omitted = 0;             // stores of the caller's left out of an oversized reply
+  // Stores on the node this listing does not describe (held by other uids, or omitted).
+  uint64_t not_shown() const {
+    return node_stores > stores.size() ? node_stores - stores.size() : 0;
+  }
 };
 
 // A store mapped read-only into this process. Destroying it unmaps it; the job keeps using the
