@@ -15,20 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-VOCAB, SEQ = 96, 16
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Random token sequences, the same in every rank (the labels are the inputs: causal LM)."""
-
-    def __init__(self, n: int = 48) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+from hf_data import TokenDataset
 
 
 def main(rank: int, world: int, port: int, mode: str, checkpoint: str, out_dir: str, socket: str,

@@ -19,23 +19,11 @@ import trainstream  # noqa: E402
 from trainstream.integrations.huggingface import TrainStreamMixin, TrainStreamTrainer  # noqa: E402
 from trainstream.integrations.trainer import STATE_FILE, STATE_META_FILE  # noqa: E402
 
-VOCAB, SEQ = 96, 16
+from hf_data import VOCAB, TokenDataset  # noqa: E402 (TokenDataset: also for test_hf_trainer_paging)
+
 NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
 CUDA = pytest.param("cuda", marks=NO_CUDA)
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Random token sequences, the same on every call (the labels are the inputs: causal LM)."""
-
-    def __init__(self, n: int = 48) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -9,17 +9,16 @@ test by its timeout."""
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+import hf_data  # noqa: E402
 import hf_dp_worker  # noqa: E402
+from ranks import free_port, spawn_ranks  # noqa: E402
 from trainstream.integrations.trainer import STATE_FILE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -27,30 +26,11 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str, checkpoint: str, out_dir: str, sock: str, run: dict, resume=None, tag: str = "",
          timeout: float = 300) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=hf_dp_worker.main,
-                         args=(r, WORLD, port, mode, checkpoint, out_dir, sock, run, resume, tag))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish within {timeout} s"
+    port = free_port()
+    spawn_ranks(hf_dp_worker.main, lambda r: (r, WORLD, port, mode, checkpoint, out_dir, sock, run, resume, tag),
+                WORLD, timeout)
     out = []
     for r in range(WORLD):
         res = torch.load(os.path.join(out_dir, f"{tag or mode}-rank{r}.pt"), weights_only=False)
@@ -64,7 +44,7 @@ def checkpoint(tmp_path_factory):
     """A tiny Llama (no dropout), saved once."""
     path = str(tmp_path_factory.mktemp("ckpt") / "llama")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=hf_dp_worker.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=hf_data.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
