@@ -68,8 +68,7 @@ def reference(rank: int, device: str) -> list[torch.Tensor]:
                     _loss(ddp, x, y).backward()
             else:
                 _loss(ddp, x, y).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().cpu().clone() for p in model.parameters()]
