@@ -329,9 +329,11 @@ class DataParallel:
                 by_dtype.setdefault(params[b].grad_slot.dtype, []).append(b)
             for dtype, buckets in by_dtype.items():
                 self._reduce(session, buckets, dtype, owner)
-        if session.max_grad_norm > 0 and stepped:
-            h.commit(wait=False)  # tsd clips by the global norm once every rank of the node committed
         skip = session.skip  # resumed: buckets tsd updated in this step before a rank died
+        if session.max_grad_norm > 0 and any(b not in skip for b in stepped):
+            # tsd clips by the global norm once every rank of the node committed (a resumed step
+            # whose commit tsd finished after a rank died delivers nothing, and commits nothing)
+            h.commit(wait=False)
         for b in stepped:
             if b not in skip:
                 self.expected[b] += 1

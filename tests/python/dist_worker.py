@@ -15,6 +15,8 @@ Modes:
           rank kills itself (SIGKILL) between steps. `-nokeep`: the same without keep_for.
   kept-kill-in-step  a kept job: after KILL_AT steps, the last rank dies inside step() (after the
           reductions, before it delivers its buckets or commits); the others record their error.
+  kept-kill-after-commit  every rank dies inside step() KILL_AT + 1 once all asked its commit (before
+          they see it applied or record the step's end).
   kept-resume  a restarted group: wrap(..., resume=True) on KEPT_JOB, the run continued to
           RESUME_STEPS; then, in the same processes, the same run uninterrupted (another job) and
           DDP + AdamW: records what resume reported and the parameters' differences.
@@ -169,17 +171,35 @@ def _kept_steps(model: torch.nn.Module, opt: Any, rank: int, first: int, last: i
         opt.zero_grad(set_to_none=True)
 
 
-def kept_kill(rank: int, world: int, sock: str, out: dict[str, Any], in_step: bool, keep: bool, clip: bool) -> None:
+class _DieAfterCommit:
+    """A rank's optimizer handle whose commit kills the process once every rank asked it."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        self._handle.commit(*args, **kwargs)
+        torch.distributed.barrier()  # every rank's commit is in
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kept_kill(rank: int, world: int, sock: str, out: dict[str, Any], where: str, keep: bool, clip: bool) -> None:
     import trainstream
     model, opt = _kept_wrap(sock, KEPT_JOB, clip, keep_for="60s" if keep else None)
     _kept_steps(model, opt, rank, 0, KILL_AT)
-    if not in_step:
+    if where == "between":
         torch.distributed.barrier()
         time.sleep(0.2)  # every rank is out of the barrier
         os.kill(os.getpid(), signal.SIGKILL)
     victim = rank == world - 1
     session = trainstream.unwrap_session(model)
-    if victim:
+    if where == "after-commit":  # every rank
+        session.handle = _DieAfterCommit(session.handle)
+    elif victim:
         reduce = torch.distributed.reduce
 
         def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
@@ -276,8 +296,8 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         elif mode in ("kill", "kill-in-tsd"):
             kill(rank, world, sockets[rank], out, mode == "kill-in-tsd")
         elif mode.startswith("kept-kill-"):
-            kept_kill(rank, world, sockets[rank], out, mode.startswith("kept-kill-in-step"), not mode.endswith("-nokeep"),
-                      not mode.endswith("-noclip"))
+            where = next(w for w in ("between", "in-step", "after-commit") if mode.startswith(f"kept-kill-{w}"))
+            kept_kill(rank, world, sockets[rank], out, where, not mode.endswith("-nokeep"), not mode.endswith("-noclip"))
         elif mode.startswith("kept-resume"):
             kept_resume(rank, world, sockets[rank], out, not mode.endswith("-noclip"))
     except Exception:  # noqa: BLE001 - reported to the test

@@ -229,6 +229,30 @@ def test_rank_killed_inside_a_clipped_step_then_the_group_resumes(tmp_path):
         d.stop()
 
 
+def test_ranks_killed_after_the_commit_then_the_group_resumes_after_the_step(tmp_path):
+    """Every rank asked a clipped step's commit and died before it saw the step done: tsd finishes
+    the step (it was asked by all), so the restarted group finds every bucket one step past the
+    recorded boundary (`ahead`), delivers and commits nothing for that step, and the run ends as
+    an uninterrupted one, bit for bit."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        assert _run(2, [d.socket] * 2, "kept-kill-after-commit", str(out), timeout=120) == [None, None]
+        again = tmp_path / "again"
+        again.mkdir()
+        resumed = _run(2, [d.socket] * 2, "kept-resume", str(again), timeout=180)
+        for r, res in enumerate(resumed):
+            assert res is not None and "exception" not in res and res["error"] is None, (r, res)
+            assert res["steps"] == dist_worker.KILL_AT and res["rolled_back"] == [], res
+            assert res["bucket_steps"] == res["expected"] == [dist_worker.KILL_AT + 1] * len(res["bucket_steps"]), res
+            assert len(res["ahead"]) == len(res["bucket_steps"]), res
+            assert res["final_steps"] == [dist_worker.RESUME_STEPS] * len(res["final_steps"]), res
+            assert res["bit_equal"], f"rank {r}: differs from an uninterrupted run by {res['straight_diff']}"
+    finally:
+        d.stop()
+
+
 def test_rank_killed_inside_a_step_without_clipping_resumes_with_the_updated_buckets_ahead(tmp_path):
     """Without clipping, the surviving rank's buckets were updated in the cut step: the resumed
     group reports them `ahead`, skips their next delivery once, and runs on to the end (the run
