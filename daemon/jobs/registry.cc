@@ -385,7 +385,8 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   std::vector<ClosedSession> closed;
   for (auto& [name, job] : jobs_) {
     // A restarted group's optimizer is stopped until its first rank revives it: not a failure.
-    const bool resuming = job.group_resume != nullptr && job.optimizer->resumable();
+    const bool resuming =
+        job.optimizer && job.group_resume != nullptr && job.optimizer->resumable();
     if (job.optimizer && job.optimizer->failed() && !resuming && job.optimizer_session != 0 &&
         sessions_.count(job.optimizer_session) != 0) {
       closed.push_back(
