@@ -388,9 +388,11 @@ py::tuple ResumeOptimizer(
     const ClientPtr& client, const std::vector<py::dict>& groups,
     const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
     const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
-    bool amsgrad, bool maximize) {
-  const tsd::OptimizerSpec spec =
+    bool amsgrad, bool maximize, uint32_t rank, uint32_t world) {
+  tsd::OptimizerSpec spec =
       SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
+  spec.rank = rank;  // data parallel: each rank of a restarted group resumes (tsd checks world)
+  spec.world = world;
   auto h = NewHandle(client, spec);
   tsd::ResumeReport report;
   {
@@ -667,7 +669,7 @@ PYBIND11_MODULE(_C, m) {
       .def("resume_optimizer", &ResumeOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
-           py::arg("maximize") = false)
+           py::arg("maximize") = false, py::arg("rank") = 0, py::arg("world") = 0)
       .def(
           "open_store",
           [](tsd::Client& c, const std::vector<std::string>& files, const std::string& format,

@@ -19,7 +19,11 @@ each bucket once with all of the node's cores. How a step goes:
 Buckets are spread over a node's ranks by size (largest first, onto the least loaded), the same
 on every rank and every node. A rank that dies fails the step on the others: their collective
 fails, or tsd (which sees the rank's session end) fails the job's optimizer, and every wait on it
-raises saying which rank was lost.
+raises saying which rank was lost. That failure leaves tsd's state whole: a job kept with
+`keep_for` is resumed by a restarted group of as many ranks per node, each passing
+`resume=True` (resume.py; `resume_spec`, `everyone`, `settle_resume`): tsd settles the step
+that was cut (with clipping it is rolled back; without, buckets already updated are skipped
+once) and every rank continues from the same step.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from .errors import TsdError
 __all__ = ["DataParallel", "check_option", "enabled"]
 
 # wrap() options that do not work with distributed= yet, and the values they must keep.
-_UNSUPPORTED = {"resume": False, "overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
+_UNSUPPORTED = {"overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
 
 
 def check_option(value: Any) -> None:
@@ -194,6 +198,68 @@ class DataParallel:
         self.expected = [int(handle.steps(b)) for b in range(handle.num_buckets)]
         return handle
 
+    # ---- resuming a kept job (resume.py)
+    def resume_spec(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The resume registration of this rank: as `register` makes it (one delivery per step),
+        as this rank of the node's `local_world` (tsd checks the kept optimizer's world)."""
+        spec = dict(request, accumulate=False)
+        self.assign([n for (_, n, _, _) in spec["buckets"]])
+        if self.local_world > 1:
+            spec.update(rank=self.local_rank, world=self.local_world)
+        return spec
+
+    def everyone(self, work: Callable[[], Any], what: str) -> Any:
+        """Runs `work` on every rank; if it raises on any rank, every rank raises (the others
+        saying which failed), so no rank goes on alone."""
+        dist = _dist()
+        error: Optional[BaseException] = None
+        result = None
+        try:
+            result = work()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others know
+            error = e
+        flags = torch.zeros(self.world, dtype=torch.int32)
+        flags[self.rank] = 0 if error is None else 1
+        dist.all_reduce(flags, group=self.group)
+        if error is not None:
+            raise error
+        failed = [r for r in range(self.world) if int(flags[r])]
+        if failed:
+            raise TsdError(f"rank(s) {failed} of the group could not {what} (job {self.job!r}); see their errors")
+        return result
+
+    def settle_resume(self, settle: Callable[[], tuple[Any, Any, set[int]]]) -> tuple[Any, Any, set[int]]:
+        """After every rank resumed: the node's first rank runs `settle` (it reads and rewrites
+        the node's step marks) and gives its ResumeInfo and the buckets to skip to the node's
+        other ranks; then every rank checks that the whole group continues from the same step
+        and takes tsd's step counts as those its next step waits past. Returns (info, marks or
+        None on the other ranks, the buckets whose next delivery is skipped)."""
+        dist = _dist()
+        marks = None
+        box: list[Any] = [None]
+        if self.local_rank == 0:
+            try:
+                info, marks, ahead = settle()
+                box[0] = (info, sorted(ahead))
+            except BaseException as e:  # noqa: BLE001 - every rank raises it below
+                box[0] = e
+        group = self.group if len(self.nodes) == 1 else self.node_group
+        dist.broadcast_object_list(box, src=self.local[0], group=group)
+        if isinstance(box[0], BaseException):
+            if self.local_rank == 0:
+                raise box[0]
+            raise TsdError(f"rank {self.local[0]} (the first of this node) could not settle the resumed job "
+                           f"{self.job!r}: {box[0]}")
+        info, ahead_list = box[0]
+        points: list[Any] = [None] * self.world
+        dist.all_gather_object(points, (info.steps, list(info.bucket_steps), ahead_list), group=self.group)
+        if any(p != points[0] for p in points):
+            raise TsdError(f"the ranks resumed job {self.job!r} at different points ((steps, tsd's step count of each "
+                           f"bucket, buckets ahead) by rank: {points}); the nodes' kept states differ, so the run "
+                           f"cannot continue from them: restart it from a checkpoint")
+        self.expected = [int(x) for x in info.bucket_steps]
+        return info, marks, set(ahead_list)
+
     def load_state(self, session: Any, load: Callable[[], None]) -> None:
         """Loads optimizer state into the node's one optimizer: every rank of the group calls it
         (as it calls step()); the node's first rank runs `load`, the others wait for it, and then
@@ -263,10 +329,14 @@ class DataParallel:
                 by_dtype.setdefault(params[b].grad_slot.dtype, []).append(b)
             for dtype, buckets in by_dtype.items():
                 self._reduce(session, buckets, dtype, owner)
-        if session.max_grad_norm > 0 and stepped:
-            h.commit(wait=False)  # tsd clips by the global norm once every rank of the node committed
+        skip = session.skip  # resumed: buckets tsd updated in this step before a rank died
+        if session.max_grad_norm > 0 and any(b not in skip for b in stepped):
+            # tsd clips by the global norm once every rank of the node committed (a resumed step
+            # whose commit tsd finished after a rank died delivers nothing, and commits nothing)
+            h.commit(wait=False)
         for b in stepped:
-            self.expected[b] += 1
+            if b not in skip:
+                self.expected[b] += 1
             h.wait_steps(b, self.expected[b])
             ps = params[b]
             p = ps.param
@@ -275,6 +345,9 @@ class DataParallel:
             ps.version = p._version
         for ps in params:
             ps.param.grad = None
+        if session.marks is not None:  # the node's first rank, for a kept job (resume.py)
+            session.marks.record(session.steps + 1, set(stepped) | skip)
+        skip.clear()
         session.steps += 1
         if len(self.nodes) > 1 and session.steps % self.check_every == 0:
             self._check_nodes_agree(session)
@@ -317,6 +390,9 @@ class DataParallel:
         for b in buckets:
             ps = params[b]
             n = ps.param.numel()
+            if b in session.skip:  # resumed: tsd applied this step's update before a rank died
+                offset += n
+                continue
             h.wait(b)  # the slot is free (its last delivery was taken)
             ps.grad_slot.copy_(flat[offset:offset + n])
             h.ready(b, True, True)

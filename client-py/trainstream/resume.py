@@ -24,6 +24,13 @@ What a crash costs depends on where it struck:
 To tell between steps from within a step without clipping, the client records, at the end of
 every step, how many steps each bucket had taken, in a small region of the job
 ("trainstream/steps", a seqlock-guarded int64 array: [sequence, steps done, per bucket]).
+
+Data parallel (`distributed=`, docs/distributed.md): the same, for a group. A rank that dies
+fails the step on every rank of the job; tsd keeps the job (keep_for) and a restarted group of
+as many ranks per node resumes it, every rank with resume=True. Each rank takes its rank of the
+kept optimizer over, tsd settles it once for the node and gives every rank the same report; the
+node's first rank keeps the step marks, settles from them and tells the node's other ranks, and
+the ranks check that they all continue from the same step.
 """
 from __future__ import annotations
 
@@ -180,31 +187,46 @@ def check_options(opts: dict[str, Any]) -> None:
 
 
 def register(client: Client, request: Callable[[str], dict[str, Any]], moment_dtype: str,
-             auto: bool) -> tuple[Any, dict[str, Any], str]:
+             auto: bool, dp: Any = None) -> tuple[Any, dict[str, Any], str]:
     """Takes over the kept optimizer: (handle, tsd's report, the moment dtype). With
-    moment_dtype="auto" the kept job's moment dtype is the one that matches."""
+    moment_dtype="auto" the kept job's moment dtype is the one that matches. `dp` (data
+    parallel, distributed.DataParallel): every rank of the restarted group resumes, as its rank
+    of the node's optimizer; if one cannot, every rank raises."""
     choices = [moment_dtype] + ([m for m in ("float32", "bfloat16") if m != moment_dtype] if auto else [])
-    for i, md in enumerate(choices):
-        try:
-            handle, report = client._resume_optimizer(**request(md))
-            return handle, report, md
-        except FailedPrecondition as e:
-            if i + 1 == len(choices) or "moments are" not in str(e):
-                raise
-    raise AssertionError("unreachable")
+
+    def take_over() -> tuple[Any, dict[str, Any], str]:
+        for i, md in enumerate(choices):
+            try:
+                spec = request(md) if dp is None else dp.resume_spec(request(md))
+                handle, report = client._resume_optimizer(**spec)
+                return handle, report, md
+            except FailedPrecondition as e:
+                if i + 1 == len(choices) or "moments are" not in str(e):
+                    raise
+        raise AssertionError("unreachable")
+
+    return take_over() if dp is None else dp.everyone(take_over, "resume the job's kept optimizer")
 
 
 def start(session: Any, client: Client, buckets: list[tuple[torch.nn.Parameter, int, int]],
-          report: Optional[dict[str, Any]], keep: bool) -> Optional[ResumeInfo]:
+          report: Optional[dict[str, Any]], keep: bool, dp: Any = None) -> Optional[ResumeInfo]:
     """Sets up the session's step marks (a kept or resumed job) and, on resume, what the
-    trainer that died left: `session.resumed`, the steps completed, the buckets to skip once."""
+    trainer that died left: `session.resumed`, the steps completed, the buckets to skip once.
+    Data parallel (`dp`): the node's first rank keeps the marks (they are the node's), settles
+    from them and tells the other ranks (DataParallel.settle_resume), so every rank continues
+    from the same step."""
+    keeps_marks = dp is None or dp.writes_masters
     if report is None:
-        if keep:
+        if keep and keeps_marks:
             session.marks = StepMarks.create(client, len(buckets))
         return None
     names = [session.param_names.get(id(p), f"parameter {index}") for p, _, index in buckets]
-    info, marks, ahead = settle(client, report, names)
-    session.marks = marks if marks is not None else StepMarks.create(client, len(buckets))
+    if dp is None:
+        info, marks, ahead = settle(client, report, names)
+    else:
+        info, marks, ahead = dp.settle_resume(lambda: settle(client, report, names))
+    if keeps_marks:
+        session.marks = marks if marks is not None else StepMarks.create(client, len(buckets))
     session.skip = ahead
     session.steps = info.steps
     session.resumed = info

@@ -422,7 +422,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         report = None
         if opts["resume"]:
             handle, report, moment_dtype = resume.register(client, prep.request, plan.moment_dtype,
-                                                           prep.moment_dtype == "auto")
+                                                           prep.moment_dtype == "auto", dp)
             plan = dataclasses.replace(plan, moment_dtype=moment_dtype)
         elif prep.buckets:
             with Progress("wrap: registering the optimizer in tsd", counted=False):
@@ -440,7 +440,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
 
     session = Session(device, client, owns_client, opts, budget)
     session.param_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]))
+    resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]), dp)
     session.handle = handle
     if dp is not None:
         session.dp, session.offload = dp, True  # the node's ranks share tsd's optimizer: no switch to stock

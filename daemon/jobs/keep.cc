@@ -7,7 +7,9 @@
 // limit); only the job's uid attaches to it (as for every attach); an attach without `resume` to
 // a job kept after its trainer died is refused, so a restarted trainer never joins old state
 // unknowingly; an attach with `resume` to a job that does not exist is refused. A session that
-// resumed takes over the job's optimizer once its registration matches the kept one.
+// resumed takes over the job's optimizer once its registration matches the kept one. A
+// data-parallel job is resumed by a restarted group of as many ranks, each resuming
+// (Registry::TakeOverRank in ranks.cc), never by one process.
 #include "absl/strings/str_cat.h"
 #include "daemon/jobs/registry.h"
 #include "proto/status_macros.h"
@@ -57,6 +59,13 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::TakeOverOptimizer(
         "job '", job.name,
         "' has no optimizer to resume (its trainer died before registering one); register "
         "without resume"));
+  }
+  if (job.optimizer->plan().world > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job.name, "''s kept optimizer is shared by a world of ",
+        job.optimizer->plan().world,
+        " data-parallel ranks, but this resume comes from one process; restart as many ranks, "
+        "each resuming (wrap(..., distributed=True, resume=True))"));
   }
   if (job.optimizer->failed()) {
     return absl::FailedPreconditionError(

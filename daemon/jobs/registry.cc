@@ -343,8 +343,11 @@ void Registry::RemoveSessionLocked(uint64_t session_id, ReleaseReason why, Relea
     job->second.optimizer_session = 0;
   }
   if (!job->second.sessions.empty()) return;
-  const bool abandoned = job->second.optimizer != nullptr && !job->second.optimizer->failed() &&
-                         job->second.optimizer_session == 0;
+  // A data-parallel optimizer stopped because a rank was lost stays resumable: kept as well.
+  const bool abandoned =
+      job->second.optimizer != nullptr &&
+      ((!job->second.optimizer->failed() && job->second.optimizer_session == 0) ||
+       job->second.optimizer->resumable());
   if (GraceLocked(job->second) <= absl::ZeroDuration() ||
       (why == ReleaseReason::kDetach && !abandoned)) {
     ReleaseJobLocked(job_name, why, dead);
@@ -381,7 +384,10 @@ std::vector<ClosedSession> Registry::Sweep(absl::Time now) {
   MutexLock lock(mu_);
   std::vector<ClosedSession> closed;
   for (auto& [name, job] : jobs_) {
-    if (job.optimizer && job.optimizer->failed() && job.optimizer_session != 0 &&
+    // A restarted group's optimizer is stopped until its first rank revives it: not a failure.
+    const bool resuming =
+        job.optimizer && job.group_resume != nullptr && job.optimizer->resumable();
+    if (job.optimizer && job.optimizer->failed() && !resuming && job.optimizer_session != 0 &&
         sessions_.count(job.optimizer_session) != 0) {
       closed.push_back(
           {job.optimizer_session, absl::StrCat("tsd closed this session: the optimizer of job '",

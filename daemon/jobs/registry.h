@@ -182,6 +182,19 @@ class Registry final {
   // accepts it; the session becomes the one told when the optimizer fails.
   absl::StatusOr<std::shared_ptr<JobOptimizer>> TakeOverOptimizer(
       uint64_t session_id, const std::function<absl::Status(const OptimizerPlan&)>& check);
+  // Data parallel: makes `session_id` rank `rank` of a restarted group resuming its job's kept
+  // optimizer, registered for `world` ranks, after `check(kept plan)` accepts it. The job must
+  // have been kept (keep_for) and its optimizer stopped only because a rank was lost (a protocol
+  // violation is not resumable); the world must be the kept one's; every rank of the group that
+  // was lost must have ended. The first rank of the group starts a GroupResume, the others join
+  // it; each then settles through it (GroupResume::Settle). Changes nothing when refused.
+  struct RankTakeOver {
+    std::shared_ptr<JobOptimizer> optimizer;
+    std::shared_ptr<GroupResume> group;
+  };
+  absl::StatusOr<RankTakeOver> TakeOverRank(
+      uint64_t session_id, uint32_t rank, uint32_t world,
+      const std::function<absl::Status(const OptimizerPlan&)>& check);
   // The optimizer of `job` for a checkpoint asked by `uid` (with no session): NOT_FOUND without
   // one, PERMISSION_DENIED for another uid's job.
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerForCheckpoint(const std::string& job,
@@ -250,6 +263,10 @@ class Registry final {
     // Data parallel: the session holding each rank of the optimizer. A rank's session that ends
     // other than by Detach fails the optimizer for the others (RemoveSessionLocked).
     std::map<uint32_t, uint64_t> ranks;
+    // Data parallel: the resume of the group that took the optimizer over after a rank was lost
+    // (TakeOverRank); null while the group that registered it (or none) drives it. Reset when a
+    // rank is lost again.
+    std::shared_ptr<GroupResume> group_resume;
     int numa_node = -1;  // where its regions go (PlaceJob); -1: anywhere
   };
   // What a release leaves to destroy once the lock is dropped: optimizers first (they stop their

@@ -212,10 +212,12 @@ JobOptimizer::JobOptimizer(std::string job, OptimizerPlan plan, OptimizerRegions
 JobOptimizer::~JobOptimizer() { Stop(); }
 
 void JobOptimizer::Start() {
+  MutexLock lock(lifecycle_mu_);
   dispatcher_ = std::thread([this] { DispatchLoop(); });
 }
 
 void JobOptimizer::Stop() {
+  MutexLock lock(lifecycle_mu_);
   stop_.store(true);
   Kick();
   if (dispatcher_.joinable()) dispatcher_.join();
@@ -227,24 +229,28 @@ std::string JobOptimizer::failure() const {
   return failure_;
 }
 
+bool JobOptimizer::resumable() const {
+  MutexLock lock(failure_mu_);
+  return failed_.load() && resumable_;
+}
+
 void JobOptimizer::Kick() {
   page_.header->doorbell.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&page_.header->doorbell);
 }
 
-void JobOptimizer::Fail(const std::string& why) {
+void JobOptimizer::Fail(const std::string& why, bool resumable) {
+  MutexLock lock(failure_mu_);  // held throughout: resumable() and Revive() see all of it or none
   if (failed_.exchange(true)) return;
-  {
-    MutexLock lock(failure_mu_);
-    failure_ = why;
-  }
+  failure_ = why;
+  resumable_ = resumable;
   const size_t n = std::min(why.size(), sizeof(page_.header->error) - 1);
   std::memcpy(page_.header->error, why.data(), n);
   page_.header->error[n] = '\0';
   page_.header->failed.store(1, std::memory_order_release);
   page_.header->completions.fetch_add(1, std::memory_order_release);
   wire::FutexWakeAll(&page_.header->completions);
-  spdlog::warn("event=optimizer_failed job={} reason=\"{}\"", job_, why);
+  spdlog::warn("event=optimizer_failed job={} resumable={} reason=\"{}\"", job_, resumable, why);
 }
 
 void JobOptimizer::DispatchLoop() {

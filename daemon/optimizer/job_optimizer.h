@@ -92,12 +92,19 @@ class JobOptimizer final {
   void Start();
   // Stops the dispatcher and waits for work in flight. Idempotent.
   void Stop();
-  // Fails the optimizer from outside (a data-parallel rank's session died): every rank's next
-  // wait reports `why`. Idempotent: the first failure is kept.
-  void Abort(const std::string& why) { Fail(why); }
-  // True once the page was found invalid; `failure()` says why.
+  // Fails the optimizer from outside: every rank's next wait reports `why`. Idempotent: the
+  // first failure is kept. `resumable`: the failure leaves the state whole (a data-parallel
+  // rank's session died, nothing was wrong on the page), so a restarted group may Revive() it.
+  void Abort(const std::string& why, bool resumable = false) { Fail(why, resumable); }
+  // True once the optimizer stopped (the page was found invalid, or Abort); `failure()` says why.
   bool failed() const { return failed_.load(); }
+  // True when it stopped through Abort(..., resumable=true) (and nothing else failed it first).
+  bool resumable() const ABSL_LOCKS_EXCLUDED(failure_mu_);
   std::string failure() const ABSL_LOCKS_EXCLUDED(failure_mu_);
+  // Restarts an optimizer stopped by a resumable Abort: clears the failure (the page's too) and
+  // starts the dispatcher again; then Resume() settles what was left in flight. OK when it has
+  // not failed; FAILED_PRECONDITION when it failed for good.
+  absl::Status Revive() ABSL_LOCKS_EXCLUDED(failure_mu_, lifecycle_mu_);
   const OptimizerPlan& plan() const { return plan_; }
 
   // Writes the state as safetensors into `fd` (a regular file or memfd); returns bytes written.
@@ -174,7 +181,7 @@ class JobOptimizer final {
   // The bucket's place in the queue: the client's forward order (page), else after all of those.
   uint64_t Priority(size_t b) const;
   void Kick();
-  void Fail(const std::string& why);
+  void Fail(const std::string& why, bool resumable = false);
   bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
 
   const std::string job_;
@@ -202,7 +209,24 @@ class JobOptimizer final {
   std::atomic<bool> failed_{false};
   mutable Mutex failure_mu_;
   std::string failure_ ABSL_GUARDED_BY(failure_mu_);
+  bool resumable_ ABSL_GUARDED_BY(failure_mu_) = false;
+  // Serialises Start/Stop/Revive (each touches dispatcher_).
+  Mutex lifecycle_mu_;
   std::thread dispatcher_;
+};
+
+// A restarted data-parallel group's resume of a kept optimizer (Registry::TakeOverRank): every
+// rank of the group resumes, the first one to get here revives and settles the optimizer, and
+// every rank gets the same ResumePoint (or the same error), so no rank sees another step.
+class GroupResume final {
+ public:
+  absl::StatusOr<JobOptimizer::ResumePoint> Settle(JobOptimizer& optimizer, absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::StatusOr<JobOptimizer::ResumePoint> result_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tsd

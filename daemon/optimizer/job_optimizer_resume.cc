@@ -10,6 +10,12 @@
 // so both are dropped (rolled back) and the new trainer starts at a step boundary. Buckets that
 // were updated in the interrupted step (without clipping they update as backward goes) keep
 // their update: their step counts say so, and the client decides what to do with them.
+//
+// Data parallel: a rank that died fails the optimizer for its group, resumably (Abort); a
+// restarted group's first rank revives it (Revive: the dispatcher starts again) and settles it
+// as above, once for the group (GroupResume). A commit only some ranks asked never ran: the
+// ranks' commit counters go back to the commits applied.
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -98,6 +104,42 @@ absl::Status JobOptimizer::CheckSameLayout(const OptimizerPlan& kept, const Opti
   return absl::OkStatus();
 }
 
+absl::Status JobOptimizer::Revive() {
+  MutexLock lifecycle(lifecycle_mu_);
+  if (!failed()) return absl::OkStatus();
+  if (!resumable()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the kept optimizer of job '", job_, "' has stopped: ", failure()));
+  }
+  if (stop_.load()) return absl::FailedPreconditionError("the optimizer is being released");
+  // The dispatcher leaves its loop once it sees the failure (the kick wakes it at once).
+  Kick();
+  if (dispatcher_.joinable()) dispatcher_.join();
+  {
+    MutexLock lock(failure_mu_);
+    spdlog::info("event=optimizer_revived job={} after=\"{}\"", job_, failure_);
+    failure_.clear();
+    resumable_ = false;
+    page_.header->error[0] = '\0';
+    page_.header->failed.store(0, std::memory_order_release);
+    failed_.store(false);
+  }
+  dispatcher_ = std::thread([this] { DispatchLoop(); });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobOptimizer::ResumePoint> GroupResume::Settle(JobOptimizer& optimizer,
+                                                              absl::Duration timeout) {
+  MutexLock lock(mu_);
+  if (!done_) {
+    absl::Status revived = optimizer.Revive();
+    result_ = revived.ok() ? optimizer.Resume(timeout)
+                           : absl::StatusOr<JobOptimizer::ResumePoint>(revived);
+    done_ = true;
+  }
+  return result_;
+}
+
 absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   for (;;) {
@@ -109,8 +151,17 @@ absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration ti
       MutexLock lock(state_mu_);
       // Work the dead trainer started must end first: an update in flight, a delivery rung but
       // not yet taken, a commit asked but not yet applied.
+      // Data parallel: a commit runs once every rank asked for it (the lowest of the ranks'
+      // counters); one that only some ranks asked before a rank died never runs.
+      uint64_t asked = page_.header->commit.load(std::memory_order_acquire);
+      if (plan_.world > 1) {
+        asked = committed_local_ + 1;
+        for (uint32_t r = 0; r < plan_.world; ++r) {
+          asked = std::min(asked, page_.ranks[r].commit.load(std::memory_order_acquire));
+        }
+      }
       bool settled = !(commit_running_ && commit_left_.load(std::memory_order_acquire) != 0) &&
-                     page_.header->commit.load(std::memory_order_acquire) == committed_local_;
+                     asked == committed_local_;
       for (size_t b = 0; settled && b < runs_.size(); ++b) {
         const BucketRun& r = *runs_[b];
         settled = !r.busy.load(std::memory_order_acquire) &&
@@ -134,6 +185,13 @@ absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration ti
           point.bucket_steps.push_back(static_cast<uint64_t>(r.steps));
         }
         point.committed = committed_local_;
+        if (plan_.world > 1) {
+          // The commits some ranks asked were dropped with the held deliveries: every rank of
+          // the restarted group continues from the commits applied.
+          for (uint32_t r = 0; r < plan_.world; ++r) {
+            page_.ranks[r].commit.store(committed_local_, std::memory_order_release);
+          }
+        }
         spdlog::info(
             "event=optimizer_settled job={} committed={} rolled_back={} dropped_partial={}", job_,
             point.committed, point.rolled_back.size(), point.dropped_partial.size());

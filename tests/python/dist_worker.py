@@ -11,6 +11,16 @@ Modes:
           before it delivers its buckets to tsd: the others wait on tsd, not on a collective.
   diverge two nodes (ranks 0-1 and 2-3): after step 2, rank 2 changes a master in its node's tsd;
           at the nodes' state comparison (every 4 steps here) every rank's step() raises.
+  kept-kill-between  a kept job (job=KEPT_JOB, keep_for): KILL_AT steps with clipping, then every
+          rank kills itself (SIGKILL) between steps. `-nokeep`: the same without keep_for.
+  kept-kill-in-step  a kept job: after KILL_AT steps, the last rank dies inside step() (after the
+          reductions, before it delivers its buckets or commits); the others record their error.
+  kept-kill-after-commit  every rank dies inside step() KILL_AT + 1 once all asked its commit (before
+          they see it applied or record the step's end).
+  kept-resume  a restarted group: wrap(..., resume=True) on KEPT_JOB, the run continued to
+          RESUME_STEPS; then, in the same processes, the same run uninterrupted (another job) and
+          DDP + AdamW: records what resume reported and the parameters' differences.
+  (`-noclip` after kept-kill-in-step and kept-resume: the same without max_grad_norm.)
 """
 from __future__ import annotations
 
@@ -140,6 +150,115 @@ def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) ->
     out.update(error=None)
 
 
+KEPT_JOB = "dp-kept"
+KILL_AT = 3        # steps the killed group completed
+RESUME_STEPS = 7   # steps of the whole run
+
+
+def _kept_wrap(sock: str, job: str, clip: bool, **options: Any) -> tuple[torch.nn.Module, Any]:
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    return trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True,
+                            max_grad_norm=MAX_NORM if clip else 0.0, quota=QUOTA, job=job, **options)
+
+
+def _kept_steps(model: torch.nn.Module, opt: Any, rank: int, first: int, last: int) -> None:
+    for micro in _batches(rank, RESUME_STEPS)[first:last]:
+        x, y = micro[0]
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+class _DieAfterCommit:
+    """A rank's optimizer handle whose commit kills the process once every rank asked it."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any:
+        self._handle.commit(*args, **kwargs)
+        torch.distributed.barrier()  # every rank's commit is in
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kept_kill(rank: int, world: int, sock: str, out: dict[str, Any], where: str, keep: bool, clip: bool) -> None:
+    import trainstream
+    model, opt = _kept_wrap(sock, KEPT_JOB, clip, keep_for="60s" if keep else None)
+    _kept_steps(model, opt, rank, 0, KILL_AT)
+    if where == "between":
+        torch.distributed.barrier()
+        time.sleep(0.2)  # every rank is out of the barrier
+        os.kill(os.getpid(), signal.SIGKILL)
+    victim = rank == world - 1
+    session = trainstream.unwrap_session(model)
+    if where == "after-commit":  # every rank
+        session.handle = _DieAfterCommit(session.handle)
+    elif victim:
+        reduce = torch.distributed.reduce
+
+        def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
+            done = reduce(tensor, dst, *args, **kwargs)
+            if dst == rank:  # its own buckets' sums are here, not yet in tsd, and it has not committed
+                os.kill(os.getpid(), signal.SIGKILL)
+            return done
+
+        torch.distributed.reduce = reduce_then_die
+    x, y = _batches(rank, RESUME_STEPS)[KILL_AT][0]
+    _loss(model, x, y).backward()
+    t0 = time.monotonic()
+    try:
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        out.update(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0, step=session.steps)
+        return
+    out.update(error=None)
+
+
+def kept_resume(rank: int, world: int, sock: str, out: dict[str, Any], clip: bool) -> None:
+    import trainstream
+    try:
+        model, opt = _kept_wrap(sock, KEPT_JOB, clip, keep_for="60s", resume=True)
+    except Exception as e:  # noqa: BLE001 - a refused resume is the result
+        out.update(error=f"{type(e).__name__}: {e}")
+        return
+    session = trainstream.unwrap_session(model)
+    info = session.resumed
+    out.update(error=None, steps=info.steps, bucket_steps=info.bucket_steps, rolled_back=info.rolled_back,
+               ahead=info.ahead, expected=list(session.dp.expected))
+    _kept_steps(model, opt, rank, info.steps, RESUME_STEPS)
+    resumed = [p.detach().clone() for p in model.parameters()]
+    out["final_steps"] = [int(session.handle.steps(b)) for b in range(session.handle.num_buckets)]
+    torch.distributed.barrier()
+    trainstream.unwrap(model)
+    # The same run, uninterrupted (another job of the same tsd), and DDP + AdamW.
+    model, opt = _kept_wrap(sock, "dp-straight", clip, keep_for="60s")
+    _kept_steps(model, opt, rank, 0, RESUME_STEPS)
+    straight = [p.detach().clone() for p in model.parameters()]
+    torch.distributed.barrier()
+    trainstream.unwrap(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ref = _model()
+    ddp = DDP(ref)
+    ropt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _batches(rank, RESUME_STEPS):
+        x, y = micro[0]
+        _loss(ddp, x, y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        ropt.step()
+        ropt.zero_grad(set_to_none=True)
+    out.update(bit_equal=all(torch.equal(a, b) for a, b in zip(resumed, straight)),
+               straight_diff=max(float((a - b).abs().max()) for a, b in zip(resumed, straight)),
+               ddp_diff=max(float((a - b.detach()).abs().max()) for a, b in zip(resumed, ref.parameters())),
+               moved=max(float((a - b).abs().max()) for a, b in zip(resumed, [p.detach() for p in _model().parameters()])))
+
+
 def diverge(rank: int, sock: str, out: dict[str, Any]) -> None:
     import trainstream
     model = _model()
@@ -176,10 +295,15 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             diverge(rank, sockets[rank], out)
         elif mode in ("kill", "kill-in-tsd"):
             kill(rank, world, sockets[rank], out, mode == "kill-in-tsd")
+        elif mode.startswith("kept-kill-"):
+            where = next(w for w in ("between", "in-step", "after-commit") if mode.startswith(f"kept-kill-{w}"))
+            kept_kill(rank, world, sockets[rank], out, where, not mode.endswith("-nokeep"), not mode.endswith("-noclip"))
+        elif mode.startswith("kept-resume"):
+            kept_resume(rank, world, sockets[rank], out, not mode.endswith("-noclip"))
     except Exception:  # noqa: BLE001 - reported to the test
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode != "parity":
+    if mode not in ("parity", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

@@ -163,6 +163,138 @@ def test_rank_killed_inside_step_fails_the_others_through_tsd(tmp_path):
         d.stop()
 
 
+def _check_resumed(results: list[dict], rolled_back: bool) -> None:
+    """A restarted group resumed the kept job at the step boundary the killed group reached and
+    finished the run exactly as an uninterrupted one (and as DDP + AdamW, to rounding)."""
+    for r, res in enumerate(results):
+        assert res is not None and "exception" not in res, (r, res)
+        assert res["error"] is None, (r, res["error"])
+        assert res["steps"] == dist_worker.KILL_AT, res
+        assert res["ahead"] == [], res
+        assert (res["rolled_back"] != []) == rolled_back, res
+        assert res["expected"] == res["bucket_steps"] == [dist_worker.KILL_AT] * len(res["bucket_steps"]), res
+        assert res["moved"] > 1e-3
+        assert res["final_steps"] == [dist_worker.RESUME_STEPS] * len(res["final_steps"]), res
+        assert res["bit_equal"], f"rank {r}: the resumed run differs from an uninterrupted one by {res['straight_diff']}"
+        assert res["ddp_diff"] <= 1e-6, f"rank {r}: parameters differ from DDP + AdamW by {res['ddp_diff']}"
+    # Every rank got the same report: the node's one optimizer, settled once.
+    assert results[0]["rolled_back"] == results[1]["rolled_back"]
+
+
+def test_ranks_killed_between_steps_resume_as_if_uninterrupted(tmp_path):
+    """Every rank of a kept job is killed between steps; a restarted group of as many ranks
+    resumes (resume=True) and its parameters equal an uninterrupted run's bit for bit."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        assert _run(2, [d.socket] * 2, "kept-kill-between", str(out), timeout=120) == [None, None]
+        with trainstream.connect(socket=d.socket) as c:
+            assert [j.name for j in c.jobs()] == [dist_worker.KEPT_JOB]  # kept
+        again = tmp_path / "again"
+        again.mkdir()
+        _check_resumed(_run(2, [d.socket] * 2, "kept-resume", str(again), timeout=180), rolled_back=False)
+        assert "event=optimizer_revived" in d.log() and d.log().count("event=optimizer_rank_resumed") == 2
+        with trainstream.connect(socket=d.socket) as c:
+            assert c.jobs() == []  # the resumed group unwrapped: the job is gone
+    finally:
+        d.stop()
+
+
+def test_rank_killed_inside_a_clipped_step_then_the_group_resumes(tmp_path):
+    """A rank dies inside step() with clipping: the other gets a clear error within seconds; a
+    single process cannot take the kept job over (another world); a restarted group resumes it,
+    the cut step rolled back, and finishes as an uninterrupted run."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(2, [d.socket] * 2, "kept-kill-in-step", str(out), timeout=120)
+        assert results[1] is None
+        res = results[0]
+        assert res is not None and "exception" not in res, res
+        assert res["error"] is not None and res["step"] == dist_worker.KILL_AT, res
+        assert "rank 1 of job" in res["error"] and "resume=True" in res["error"], res["error"]
+        assert res["seconds"] < 10, f"rank 0 took {res['seconds']:.1f} s to notice"
+        # One process is not the group that was kept: refused, changing nothing.
+        model = dist_worker._model()
+        opt = torch.optim.AdamW(model.parameters(), lr=dist_worker.LR, weight_decay=0.01)
+        with pytest.raises(trainstream.FailedPrecondition, match="world of 2 data-parallel ranks"):
+            trainstream.wrap(model, opt, device="cpu", socket=d.socket, job=dist_worker.KEPT_JOB, resume=True,
+                             max_grad_norm=dist_worker.MAX_NORM, distributed=False)
+        again = tmp_path / "again"
+        again.mkdir()
+        _check_resumed(_run(2, [d.socket] * 2, "kept-resume", str(again), timeout=180), rolled_back=True)
+    finally:
+        d.stop()
+
+
+def test_ranks_killed_after_the_commit_then_the_group_resumes_after_the_step(tmp_path):
+    """Every rank asked a clipped step's commit and died before it saw the step done: tsd finishes
+    the step (it was asked by all), so the restarted group finds every bucket one step past the
+    recorded boundary (`ahead`), delivers and commits nothing for that step, and the run ends as
+    an uninterrupted one, bit for bit."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        assert _run(2, [d.socket] * 2, "kept-kill-after-commit", str(out), timeout=120) == [None, None]
+        again = tmp_path / "again"
+        again.mkdir()
+        resumed = _run(2, [d.socket] * 2, "kept-resume", str(again), timeout=180)
+        for r, res in enumerate(resumed):
+            assert res is not None and "exception" not in res and res["error"] is None, (r, res)
+            assert res["steps"] == dist_worker.KILL_AT and res["rolled_back"] == [], res
+            assert res["bucket_steps"] == res["expected"] == [dist_worker.KILL_AT + 1] * len(res["bucket_steps"]), res
+            assert len(res["ahead"]) == len(res["bucket_steps"]), res
+            assert res["final_steps"] == [dist_worker.RESUME_STEPS] * len(res["final_steps"]), res
+            assert res["bit_equal"], f"rank {r}: differs from an uninterrupted run by {res['straight_diff']}"
+    finally:
+        d.stop()
+
+
+def test_rank_killed_inside_a_step_without_clipping_resumes_with_the_updated_buckets_ahead(tmp_path):
+    """Without clipping, the surviving rank's buckets were updated in the cut step: the resumed
+    group reports them `ahead`, skips their next delivery once, and runs on to the end (the run
+    then differs slightly from an uninterrupted one, as a single trainer's does)."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(2, [d.socket] * 2, "kept-kill-in-step-noclip", str(out), timeout=120)
+        assert results[1] is None and results[0] is not None and results[0]["error"] is not None, results
+        again = tmp_path / "again"
+        again.mkdir()
+        resumed = _run(2, [d.socket] * 2, "kept-resume-noclip", str(again), timeout=180)
+        for r, res in enumerate(resumed):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["error"] is None and res["steps"] == dist_worker.KILL_AT, res
+            assert res["ahead"] != [] and res["rolled_back"] == [], res
+            assert res["expected"] == res["bucket_steps"], res
+            assert sorted(set(res["bucket_steps"])) == [dist_worker.KILL_AT, dist_worker.KILL_AT + 1], res
+            # Every bucket took each step once (the ahead ones' redone delivery skipped, not doubled).
+            assert res["final_steps"] == [dist_worker.RESUME_STEPS] * len(res["final_steps"]), res
+            assert res["moved"] > 1e-3 and 0 < res["straight_diff"] < 5 * dist_worker.LR, res
+        assert resumed[0]["ahead"] == resumed[1]["ahead"] and resumed[0]["bucket_steps"] == resumed[1]["bucket_steps"]
+    finally:
+        d.stop()
+
+
+def test_a_group_cannot_resume_a_job_that_was_not_kept(tmp_path):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        assert _run(2, [d.socket] * 2, "kept-kill-between-nokeep", str(out), timeout=120) == [None, None]
+        again = tmp_path / "again"
+        again.mkdir()
+        for res in _run(2, [d.socket] * 2, "kept-resume", str(again), timeout=120):
+            assert res is not None and "exception" not in res, res
+            assert res["error"] is not None and "no job 'dp-kept' to resume" in res["error"], res
+    finally:
+        d.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_ranks_one_gpu_gloo_match_ddp(tmp_path):
     d = _daemon(tmp_path / "tsd")

@@ -163,7 +163,8 @@ class Client final {
   // After a resume attach: takes over the job's kept optimizer, which must match `spec` (the
   // same buckets, groups, dtypes and options; else FAILED_PRECONDITION naming the difference),
   // once tsd settled what the dead trainer left in flight; `report` (may be null) says where
-  // each bucket stands. Nothing is allocated.
+  // each bucket stands. Nothing is allocated. Data parallel: `spec.rank` and `spec.world` as the
+  // rank registered them; every rank of the restarted group resumes, and all get the same report.
   absl::StatusOr<std::unique_ptr<Optimizer>> ResumeOptimizer(const OptimizerSpec& spec,
                                                              ResumeReport* report);
   // Writes the optimizer state of `job` (the caller's uid's) into `fd`, a regular file this
