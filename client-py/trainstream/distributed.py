@@ -30,13 +30,15 @@ from __future__ import annotations
 import os
 import re
 import socket as socket_mod
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
 from .errors import TsdError
 
 __all__ = ["DataParallel", "check_option", "enabled"]
+
+_T = TypeVar("_T")
 
 # wrap() options that do not work with distributed= yet, and the values they must keep.
 _UNSUPPORTED = {"overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
@@ -178,20 +180,8 @@ class DataParallel:
             handle = client._register_optimizer(**spec)
             self.expected = [int(handle.steps(b)) for b in range(handle.num_buckets)]
             return handle
-        handle = None
-        error: Optional[BaseException] = None
-        if self.local_rank == 0:
-            try:
-                handle = client._register_optimizer(**spec, rank=0, world=self.local_world)
-            except BaseException as e:  # the other ranks must not wait for a registration that failed
-                error = e
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if error is not None:
-            raise error
-        if int(ok.item()) == 0:
-            raise TsdError(f"rank {self.local[0]} (the first of this node) could not register the job's optimizer; "
-                           f"see its error")
+        handle = self._first_then_all(lambda: client._register_optimizer(**spec, rank=0, world=self.local_world),
+                                      "register the job's optimizer")
         if self.local_rank != 0:
             handle = client._register_optimizer(**spec, rank=self.local_rank, world=self.local_world)
         assert handle is not None
@@ -260,25 +250,32 @@ class DataParallel:
         self.expected = [int(x) for x in info.bucket_steps]
         return info, marks, set(ahead_list)
 
-    def load_state(self, session: Any, load: Callable[[], None]) -> None:
-        """Loads optimizer state into the node's one optimizer: every rank of the group calls it
-        (as it calls step()); the node's first rank runs `load`, the others wait for it, and then
-        every rank takes tsd's step counts as those its next step waits past (a loaded state
-        carries its own). If the load fails, every rank raises."""
+    def _first_then_all(self, action: Callable[[], _T], what: str) -> Optional[_T]:
+        """Runs `action` on the node's first rank while the others wait, then lets every rank go
+        on only if it succeeded: the first rank raises its own error, the others one that points
+        to it. Returns what `action` returned on the first rank, None on the others."""
         dist = _dist()
+        result: Optional[_T] = None
         error: Optional[BaseException] = None
         if self.local_rank == 0:
             try:
-                load()
-            except BaseException as e:  # the other ranks must not go on with a state that did not load
+                result = action()
+            except BaseException as e:  # the other ranks must not go on with what did not happen
                 error = e
         ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         if error is not None:
             raise error
         if int(ok.item()) == 0:
-            raise TsdError("the first rank of a node could not load the optimizer's state into the node's tsd; see "
-                           "its error")
+            raise TsdError(f"rank {self.local[0]} (the first of this node) could not {what}; see its error")
+        return result
+
+    def load_state(self, session: Any, load: Callable[[], None]) -> None:
+        """Loads optimizer state into the node's one optimizer: every rank of the group calls it
+        (as it calls step()); the node's first rank runs `load`, the others wait for it, and then
+        every rank takes tsd's step counts as those its next step waits past (a loaded state
+        carries its own). If the load fails, every rank raises."""
+        self._first_then_all(load, "load the optimizer's state into the node's tsd")
         h = session.handle
         self.expected = [int(h.steps(b)) for b in range(h.num_buckets)]
 

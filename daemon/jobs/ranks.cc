@@ -18,6 +18,22 @@
 
 namespace tsd {
 
+absl::Status Registry::CheckRankFree(const Job& job, uint64_t session_id, uint32_t rank,
+                                     absl::string_view how) {
+  for (const auto& [r, sid] : job.ranks) {
+    if (sid == session_id) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("this session already holds rank ", r, " of job '", job.name, "'"));
+    }
+  }
+  if (auto held = job.ranks.find(rank); held != job.ranks.end()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "rank ", rank, " of job '", job.name, "' is already held by session ", held->second,
+        "; every rank must ", how, " once, with its own rank (torch.distributed.get_rank())"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::JoinOptimizer(
     uint64_t session_id, uint32_t rank, uint32_t world,
     const std::function<absl::Status(const OptimizerPlan&)>& check) {
@@ -54,18 +70,7 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::JoinOptimizer(
                      "''s other ranks resumed its kept optimizer: this rank must register with "
                      "resume=True as well (every rank of a restarted group resumes)"));
   }
-  for (const auto& [r, sid] : job.ranks) {
-    if (sid == session_id) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("this session already holds rank ", r, " of job '", job.name, "'"));
-    }
-  }
-  if (auto held = job.ranks.find(rank); held != job.ranks.end()) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "rank ", rank, " of job '", job.name, "' is already held by session ", held->second,
-        "; every rank must register once, with its own rank "
-        "(torch.distributed.get_rank())"));
-  }
+  TSD_RETURN_IF_ERROR(CheckRankFree(job, session_id, rank, "register"));
   TSD_RETURN_IF_ERROR(check(plan));
   job.ranks[rank] = session_id;
   spdlog::info("event=optimizer_joined job={} session={} rank={} world={} ranks={}", job.name,
@@ -148,17 +153,7 @@ absl::StatusOr<Registry::RankTakeOver> Registry::TakeOverRank(
       }
     }
   }
-  for (const auto& [r, sid] : job.ranks) {
-    if (sid == session_id) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("this session already holds rank ", r, " of job '", job.name, "'"));
-    }
-  }
-  if (auto held = job.ranks.find(rank); held != job.ranks.end()) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "rank ", rank, " of job '", job.name, "' is already held by session ", held->second,
-        "; every rank must resume once, with its own rank (torch.distributed.get_rank())"));
-  }
+  TSD_RETURN_IF_ERROR(CheckRankFree(job, session_id, rank, "resume"));
   TSD_RETURN_IF_ERROR(check(plan));
   if (job.group_resume == nullptr) {
     job.group_resume = std::make_shared<GroupResume>();

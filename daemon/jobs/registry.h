@@ -30,6 +30,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "daemon/memory/ledger.h"
 #include "daemon/memory/numa_topology.h"
@@ -283,6 +284,10 @@ class Registry final {
   // the lock is dropped.
   void ReleaseJobLocked(const std::string& name, ReleaseReason why, Released& dead)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Refuses `rank` for `session_id` when the session already holds a rank of `job` or another
+  // session holds `rank`; `how` ("register", "resume") names what every rank must do once.
+  static absl::Status CheckRankFree(const Job& job, uint64_t session_id, uint32_t rank,
+                                    absl::string_view how);
   // A data-parallel rank's session ended: forgets its rank, and fails the job's optimizer (every
   // other rank's wait then reports why) unless it detached.
   void RankEndedLocked(Job& job, uint64_t session_id, ReleaseReason why)

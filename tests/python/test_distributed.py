@@ -7,47 +7,26 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import trainstream
 from conftest import Daemon
 
 import dist_worker
+from ranks import free_port, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(world: int, sockets: list[str], mode: str, out_dir: str, device: str = "cpu",
          timeout: float = 240) -> list[dict]:
     """Starts `world` ranks, waits for them (killing any left after `timeout`), returns the
     surviving ranks' results by rank."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=dist_worker.main, args=(r, world, port, sockets, mode, out_dir, device))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish within {timeout} s"
+    port = free_port()
+    spawn_ranks(dist_worker.main, lambda r: (r, world, port, sockets, mode, out_dir, device), world, timeout)
     out = []
     for r in range(world):
         path = os.path.join(out_dir, f"rank{r}.json")
