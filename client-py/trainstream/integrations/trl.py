@@ -43,4 +43,5 @@ class TrainStreamSFTTrainer(TrainStreamMixin, _SFT):  # type: ignore[misc]
     """TRL's `SFTTrainer` with AdamW, clipping, accumulation and the optimizer state in tsd.
     Takes SFTTrainer's arguments plus `trainstream={...}`, the options of `trainstream.wrap()`
     (offload defaults to True; max_grad_norm and accumulation_steps come from `args`). Refuses what
-    `TrainStreamTrainer` refuses (fp16, AMSGrad, other optimizers, several processes)."""
+    `TrainStreamTrainer` refuses (fp16, AMSGrad, other optimizers, several processes with
+    `distributed=False`); several processes otherwise train data parallel through tsd, as there."""
