@@ -15,6 +15,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "checkpoint_file.h"
 #include "daemon/cuda/device_allocation.h"
 #include "daemon/cuda/device_mapping.h"
 #include "daemon/cuda/driver_api.h"
@@ -119,11 +120,7 @@ class GpuStoresTest : public ::testing::Test {
   GpuStoresTest() : ledger_(64 << 20, 16 << 20) {
     char tmpl[] = "/tmp/tsd-gpu-store-test-XXXXXX";
     dir_ = mkdtemp(tmpl);
-    path_ = dir_ + "/w.safetensors";
-    const std::string header = R"({"w":{"dtype":"F32","shape":[256],"data_offsets":[0,1024]}})";
-    std::string len(8, '\0');
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-    std::ofstream(path_, std::ios::binary) << len << header << std::string(1024, '\x02');
+    path_ = testing::WriteF32Checkpoint(dir_ + "/w.safetensors", 256, '\x02');
   }
   ~GpuStoresTest() override { std::filesystem::remove_all(dir_); }
 

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +14,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "checkpoint_file.h"
 #include "daemon/jobs/registry.h"
 #include "daemon/memory/ledger.h"
 #include "daemon/rpc/side_handler.h"
@@ -52,13 +52,7 @@ class SideListStores : public ::testing::Test {
 
   // A checkpoint of one F32 tensor of `n` elements.
   std::string Write(const std::string& name, size_t n) {
-    const std::string path = dir_ + "/" + name;
-    const std::string header = "{\"w\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(n) +
-                               "],\"data_offsets\":[0," + std::to_string(4 * n) + "]}}";
-    std::string len(8, '\0');
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-    std::ofstream(path, std::ios::binary) << len << header << std::string(4 * n, '\x01');
-    return path;
+    return testing::WriteF32Checkpoint(dir_ + "/" + name, n);
   }
 
   SideOutcome Handle(const SideCaller& caller, v1::SideRequest req, int fd = -1) {

@@ -10,11 +10,11 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "checkpoint_file.h"
 #include "daemon/jobs/registry.h"
 #include "daemon/ops/metrics.h"
 
@@ -38,13 +38,7 @@ class StoreManagerTest : public ::testing::Test {
 
   // A checkpoint of one F32 tensor of `n` elements.
   std::string Write(const std::string& name, size_t n) {
-    const std::string path = dir_ + "/" + name;
-    const std::string header = "{\"w\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(n) +
-                               "],\"data_offsets\":[0," + std::to_string(4 * n) + "]}}";
-    std::string len(8, '\0');
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-    std::ofstream(path, std::ios::binary) << len << header << std::string(4 * n, '\x01');
-    return path;
+    return testing::WriteF32Checkpoint(dir_ + "/" + name, n);
   }
   absl::StatusOr<OpenedStore> Open(StoreManager& m, uint64_t session, const StoreUser& user,
                                    const std::string& path, uid_t uid = 0,
