@@ -106,7 +106,7 @@ void SideHandler::ListStores(const SideCaller& caller, v1::ListStoresResponse& r
       stores_->ListFor(caller.uid == daemon_uid_ ? std::nullopt : std::optional<uid_t>(caller.uid));
   reply.set_store_count(listing.node_stores);
   reply.set_used_bytes(listing.node_bytes);
-  reply.set_budget_bytes(stores_->Totals().budget_bytes);
+  reply.set_budget_bytes(listing.budget_bytes);
   // A store's source list can be long (up to max_staged_files paths): stop short of the side
   // socket's message limit and say how many were left out.
   size_t bytes = reply.ByteSizeLong();

@@ -519,17 +519,20 @@ std::vector<StoreStatus> StoreManager::List() const {
 }
 
 StoreListing StoreManager::ListFor(std::optional<uid_t> uid) const {
-  MutexLock lock(mu_);
-  const absl::Time now = absl::Now();
   StoreListing out;
-  for (const auto& [id, s] : stores_) {
-    if (s->state != State::kReady) continue;
-    ++out.node_stores;
-    out.node_bytes += s->bytes;
-    if (!uid || std::find(s->provers.begin(), s->provers.end(), *uid) != s->provers.end()) {
-      out.stores.push_back(StatusOf(*s, now));
+  {
+    MutexLock lock(mu_);
+    const absl::Time now = absl::Now();
+    for (const auto& [id, s] : stores_) {
+      if (s->state != State::kReady) continue;
+      ++out.node_stores;
+      out.node_bytes += s->bytes;
+      if (!uid || std::find(s->provers.begin(), s->provers.end(), *uid) != s->provers.end()) {
+        out.stores.push_back(StatusOf(*s, now));
+      }
     }
   }
+  out.budget_bytes = ledger_.View().store_budget_bytes;
   return out;
 }
 

@@ -101,6 +101,7 @@ struct StoreListing {
   std::vector<StoreStatus> stores;  // by id
   uint64_t node_stores = 0;         // every complete store, seen or not
   uint64_t node_bytes = 0;          // their bytes
+  uint64_t budget_bytes = 0;        // the node's store budget (store_budget)
 };
 
 // The aggregate figures of /metrics.
@@ -148,7 +149,7 @@ class StoreManager final {
   // Complete stores, by id: every one (tsd's own view; tests).
   std::vector<StoreStatus> List() const ABSL_LOCKS_EXCLUDED(mu_);
   // The complete stores `uid` proved read access to (every one when `uid` is nullopt: tsd's own
-  // uid), with the node's count and bytes taken under the same lock.
+  // uid), with the node's count and bytes taken under the same lock, and the store budget.
   StoreListing ListFor(std::optional<uid_t> uid) const ABSL_LOCKS_EXCLUDED(mu_);
   StoreTotals Totals() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -167,6 +167,7 @@ TEST_F(StoreManagerTest, AStoreIsListedOnlyToTheUidsThatProvedReadAccessToItsFil
   EXPECT_EQ(mine.stores[0].source, dir_ + "/a.safetensors");
   EXPECT_EQ(mine.node_stores, 2u) << "the node's count covers the stores not shown";
   EXPECT_EQ(mine.node_bytes, first->status.bytes + second->status.bytes);
+  EXPECT_EQ(mine.budget_bytes, 16 * kMiB) << "the ledger's store budget";
   EXPECT_THAT(Ids(m.ListFor(2000)), ElementsAre(b));
   EXPECT_THAT(Ids(m.ListFor(3000)), IsEmpty()) << "a uid that proved nothing sees nothing";
   EXPECT_EQ(m.ListFor(3000).node_stores, 2u);
