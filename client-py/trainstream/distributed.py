@@ -21,7 +21,7 @@ on every rank and every node. A rank that dies fails the step on the others: the
 fails, or tsd (which sees the rank's session end) fails the job's optimizer, and every wait on it
 raises saying which rank was lost. That failure leaves tsd's state whole: a job kept with
 `keep_for` is resumed by a restarted group of as many ranks per node, each passing
-`resume=True` (resume.py; `resume_spec`, `everyone`, `settle_resume`): tsd settles the step
+`resume=True` (resume.py; `rank_spec`, `everyone`, `settle_resume`): tsd settles the step
 that was cut (with clipping it is rolled back; without, buckets already updated are skipped
 once) and every rank continues from the same step.
 """
@@ -167,6 +167,17 @@ class DataParallel:
             self.owner[b] = r
             load[r] += numels[b]
 
+    def rank_spec(self, request: dict[str, Any]) -> dict[str, Any]:
+        """This rank's registration (or resume) of the optimizer `request` describes: one delivery
+        per step (accumulation happens before the reduction), the buckets assigned to their owners,
+        and with several ranks on the node this rank of the node's `local_world` (tsd checks that
+        every rank gives the same world)."""
+        spec = dict(request, accumulate=False)
+        self.assign([n for (_, n, _, _) in spec["buckets"]])
+        if self.local_world > 1:
+            spec.update(rank=self.local_rank, world=self.local_world)
+        return spec
+
     def register(self, client: Any, request: dict[str, Any]) -> Any:
         """Registers (the node's first rank) or joins (the others, after it) the job's optimizer.
         Accumulation happens in `p.grad` before the reduction, so tsd gets one delivery per step."""
@@ -174,30 +185,19 @@ class DataParallel:
         # Every rank planned (its memory check) before the first registers: none counts the
         # shared optimizer as already taken from the job's quota.
         dist.barrier(group=self.group)
-        spec = dict(request, accumulate=False)
-        self.assign([n for (_, n, _, _) in spec["buckets"]])
+        spec = self.rank_spec(request)
         if self.local_world == 1:
             handle = client._register_optimizer(**spec)
             self.expected = [int(handle.steps(b)) for b in range(handle.num_buckets)]
             return handle
-        handle = self._first_then_all(lambda: client._register_optimizer(**spec, rank=0, world=self.local_world),
-                                      "register the job's optimizer")
+        handle = self._first_then_all(lambda: client._register_optimizer(**spec), "register the job's optimizer")
         if self.local_rank != 0:
-            handle = client._register_optimizer(**spec, rank=self.local_rank, world=self.local_world)
+            handle = client._register_optimizer(**spec)
         assert handle is not None
         self.expected = [int(handle.steps(b)) for b in range(handle.num_buckets)]
         return handle
 
     # ---- resuming a kept job (resume.py)
-    def resume_spec(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The resume registration of this rank: as `register` makes it (one delivery per step),
-        as this rank of the node's `local_world` (tsd checks the kept optimizer's world)."""
-        spec = dict(request, accumulate=False)
-        self.assign([n for (_, n, _, _) in spec["buckets"]])
-        if self.local_world > 1:
-            spec.update(rank=self.local_rank, world=self.local_world)
-        return spec
-
     def everyone(self, work: Callable[[], Any], what: str) -> Any:
         """Runs `work` on every rank; if it raises on any rank, every rank raises (the others
         saying which failed), so no rank goes on alone."""

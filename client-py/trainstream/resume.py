@@ -197,7 +197,7 @@ def register(client: Client, request: Callable[[str], dict[str, Any]], moment_dt
     def take_over() -> tuple[Any, dict[str, Any], str]:
         for i, md in enumerate(choices):
             try:
-                spec = request(md) if dp is None else dp.resume_spec(request(md))
+                spec = request(md) if dp is None else dp.rank_spec(request(md))
                 handle, report = client._resume_optimizer(**spec)
                 return handle, report, md
             except FailedPrecondition as e:
