@@ -256,13 +256,12 @@ class TrainStreamMixin(_Base):
         # Several processes train data parallel through tsd (wrap(distributed=)): gradients are
         # reduced at step(), so accelerate must not wrap the model in DistributedDataParallel
         # (create_accelerator_and_postprocess), and weights are not paged (not with data parallel yet).
-        self._tsd_data_parallel = isinstance(given, TrainingArguments) and _world(given) > 1
+        data_parallel = isinstance(given, TrainingArguments) and _world(given) > 1
         # Read by _move_model_to_device, which Trainer.__init__ calls.
-        self._tsd_pages_weights = (not self._tsd_data_parallel
+        self._tsd_pages_weights = (not data_parallel
                                    and wrap_places_model(po, kwargs.get("model", args[0] if args else None)))
         super().__init__(*args, **kwargs)
         check_training_args(self.args, distributed)
-        self._tsd_data_parallel = _world(self.args) > 1
         if self.optimizer is not None:
             check_optimizer(_inner(self.optimizer))
         cls_kwargs = getattr(self, "optimizer_cls_and_kwargs", None)
