@@ -56,13 +56,15 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return torch.nn.functional.mse_loss(model(x), y) / ACCUM
 
 
-def reference(rank: int, device: str) -> list[torch.Tensor]:
-    """torch DDP + torch.optim.AdamW: no_sync for all but the last micro-batch, clip_grad_norm_."""
+def reference(rank: int, device: str, steps: int = STEPS, micros: int = ACCUM, clip: bool = True) -> list[torch.Tensor]:
+    """torch DDP + torch.optim.AdamW over the first `micros` micro-batches of each of `steps`
+    steps: no_sync for all but the last micro-batch, clip_grad_norm_ when `clip`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _model().to(device)
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
-    for micro in _batches(rank, STEPS):
+    for micro in _batches(rank, steps):
+        micro = micro[:micros]
         for i, (x, y) in enumerate(micro):
             x, y = x.to(device), y.to(device)
             if i < len(micro) - 1:
@@ -70,7 +72,8 @@ def reference(rank: int, device: str) -> list[torch.Tensor]:
                     _loss(ddp, x, y).backward()
             else:
                 _loss(ddp, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().cpu().clone() for p in model.parameters()]
@@ -242,20 +245,10 @@ def kept_resume(rank: int, world: int, sock: str, out: dict[str, Any], clip: boo
     straight = [p.detach().clone() for p in model.parameters()]
     torch.distributed.barrier()
     trainstream.unwrap(model)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ref = _model()
-    ddp = DDP(ref)
-    ropt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
-    for micro in _batches(rank, RESUME_STEPS):
-        x, y = micro[0]
-        _loss(ddp, x, y).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        ropt.step()
-        ropt.zero_grad(set_to_none=True)
+    ref = reference(rank, "cpu", steps=RESUME_STEPS, micros=1, clip=clip)  # one micro-batch a step, as _kept_steps
     out.update(bit_equal=all(torch.equal(a, b) for a, b in zip(resumed, straight)),
                straight_diff=max(float((a - b).abs().max()) for a, b in zip(resumed, straight)),
-               ddp_diff=max(float((a - b.detach()).abs().max()) for a, b in zip(resumed, ref.parameters())),
+               ddp_diff=max(float((a - b).abs().max()) for a, b in zip(resumed, ref)),
                moved=max(float((a - b).abs().max()) for a, b in zip(resumed, [p.detach() for p in _model().parameters()])))
 
 
