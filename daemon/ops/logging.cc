@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "google/protobuf/stubs/logging.h"
 #include "spdlog/pattern_formatter.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -48,6 +49,18 @@ class SyslogPriorityFlag final : public spdlog::custom_flag_formatter {
   }
 };
 
+// Where libprotobuf's own log lines go. Its warnings and errors come from parsing what a client
+// sent (a string field that is not UTF-8, say); tsd already refuses that request with a message
+// saying what was wrong, and logs its own event where it keeps one, so these lines are debug
+// detail. Left on stderr they would be unformatted lines, one per hostile request, in tsd's log.
+// A fatal one is kept at critical: protobuf ends the process right after.
+void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
+                 const std::string& message) {
+  const spdlog::level::level_enum to =
+      level == google::protobuf::LOGLEVEL_FATAL ? spdlog::level::critical : spdlog::level::debug;
+  spdlog::log(to, "event=protobuf_log file={}:{} message=\"{}\"", file, line, message);
+}
+
 }  // namespace
 
 bool StderrIsJournal() {
@@ -73,6 +86,7 @@ void SetupLogging(const std::string& level) {
   logger->set_level(spdlog::level::from_str(level));
   logger->flush_on(spdlog::level::trace);  // stderr is unbuffered: flushing costs nothing
   spdlog::set_default_logger(logger);
+  google::protobuf::SetLogHandler(&ProtobufLog);
 }
 
 void SetLogLevel(const std::string& level) {

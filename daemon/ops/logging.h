@@ -16,7 +16,8 @@ namespace tsd {
 bool StderrIsJournal();
 
 // Creates the "tsd" logger in the format above and makes it the default. `level` is one of
-// trace, debug, info, warn, error, critical, off (LoadConfig has checked it).
+// trace, debug, info, warn, error, critical, off (LoadConfig has checked it). libprotobuf's own log
+// lines (a client's string that is not UTF-8, say) go to it too, at debug, in the same format.
 void SetupLogging(const std::string& level);
 
 // Changes the level of the running logger (a reload). Same names as SetupLogging.

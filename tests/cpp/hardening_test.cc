@@ -28,6 +28,7 @@ namespace tsd::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::string MakeTempDir() {
   char tmpl[] = "/tmp/tsd-hardening-XXXXXX";
@@ -357,6 +358,50 @@ TEST(Hardening, MalformedGrpcRequestSaysWhatFailedToParse) {
     EXPECT_THAT(s.error_message(), HasSubstr("byte")) << method << ": " << s.error_message();
   }
   EXPECT_TRUE(BystanderServed(*d));
+}
+
+// libprotobuf logs a line of its own for every string field that is not UTF-8 it parses. Those
+// bytes come from clients, so a hostile one could write an unformatted line into tsd's log per
+// request, on both sockets. They go through tsd's logger instead, at debug (so none at the default
+// level, info) and in tsd's key=value format.
+TEST(Hardening, ProtobufLinesFromClientBytesStayOutOfTheLog) {
+  {  // DaemonProcess runs tsd at --log-level debug
+    auto d = DaemonProcess::Start();
+    ASSERT_NE(d, nullptr);
+    auto channel = grpc::CreateChannel("unix:" + d->socket(), grpc::InsecureChannelCredentials());
+    grpc::GenericStub stub(channel);
+    v1::RegisterOptimizerRequest plan;
+    plan.set_pci_bus_id("caf\xe9");
+    const std::string bytes = plan.SerializeAsString();
+    for (int i = 0; i < 20; ++i) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      grpc::Slice slice(bytes);
+      grpc::ByteBuffer request(&slice, 1), response;
+      std::promise<grpc::Status> done;
+      stub.UnaryCall(&ctx, "/tsd.v1.Tsd/PlanOptimizer", grpc::StubOptions(), &request, &response,
+                     [&done](grpc::Status s) { done.set_value(std::move(s)); });
+      const grpc::Status s = done.get_future().get();
+      ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_THAT(s.error_message(), HasSubstr("not valid UTF-8"));
+    }
+    RawSession raw(d->socket());
+    v1::SideRequest attach;
+    attach.set_request_id(1);
+    attach.mutable_attach()->set_job("caf\xe9");
+    attach.mutable_attach()->set_protocol_version(wire::kProtocolVersion);
+    for (int i = 0; i < 20; ++i) {
+      raw.ConnectSide();
+      bool closed = false;
+      const v1::SideReply r = raw.SendRaw(attach.SerializeAsString(), &closed);
+      ASSERT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << r.message();
+    }
+    EXPECT_TRUE(BystanderServed(*d));
+    const std::string log = d->log();
+    EXPECT_THAT(log, Not(HasSubstr("libprotobuf")));
+    EXPECT_THAT(log, HasSubstr("debug event=protobuf_log"));
+    EXPECT_THAT(log, HasSubstr("invalid UTF-8"));
+  }
 }
 
 }  // namespace
