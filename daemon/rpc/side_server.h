@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/jobs/registry.h"
+#include "daemon/ops/log_budget.h"
 #include "daemon/rpc/request_pool.h"
 #include "daemon/rpc/side_handler.h"
 #include "proto/mutex.h"
@@ -102,6 +103,8 @@ class SideServer final {
   // Bytes of half-assembled requests over all connections (bounded, so that many connections
   // sending fragments slowly cannot make the daemon hold unbounded memory).
   std::atomic<size_t> pending_bytes_{0};
+  // A client's garbage datagrams each get an error reply, but at most 20 log lines per uid in 10 s.
+  LogBudget bad_message_log_{20, absl::Seconds(10)};
   Mutex mu_;  // never held while calling the registry or sending
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 2;  // 0: the listener, 1: the wake-up eventfd
   std::map<uint64_t, ConnPtr> conns_ ABSL_GUARDED_BY(mu_);

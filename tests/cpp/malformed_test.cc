@@ -244,6 +244,32 @@ TEST_F(Malformed, GarbageOnTheSideSocket) {
   ExpectBystanderFine((1 << 20) + 8192);
 }
 
+// Garbage after an attach costs a client nothing to repeat: every datagram still gets its error
+// reply, but tsd logs at most 20 of them per uid in 10 s (LogBudget), so no client can flood the
+// log (and with it journald's rate limit, which would drop everyone's lines).
+TEST_F(Malformed, GarbageFloodIsAnsweredButItsLogIsBounded) {
+  RawSession raw(daemon_->socket());
+  v1::SideReply r = raw.Attach("flood-job");
+  ASSERT_EQ(r.code(), 0) << r.message();
+  for (int i = 0; i < 500; ++i) {  // well within one 10 s window
+    r = raw.SendRaw("\x0a\x05junk", nullptr);
+    ASSERT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << i;
+  }
+  const std::string log = daemon_->log();
+  size_t lines = 0;
+  for (size_t at = log.find("event=bad_side_message"); at != std::string::npos;
+       at = log.find("event=bad_side_message", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(lines, 20u) << "500 garbage datagrams made " << lines << " log lines";
+  v1::SideRequest regions;
+  regions.mutable_list_regions();
+  r = raw.Request(regions);
+  EXPECT_EQ(r.code(), 0) << r.message();
+  ExpectBystanderFine(1 << 20);
+}
+
 // Requests too large for one datagram travel in fragments; the daemon bounds what it holds of
 // half-sent ones: per request, in all (so slow senders cannot make it hold unbounded memory), and
 // not at all before an attach. The bystander is served throughout.
