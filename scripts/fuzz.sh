@@ -12,7 +12,7 @@
 # Needs clang-14 with compiler-rt's libFuzzer (Debian: clang, libclang-rt-14-dev; setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets=(fuzz_side_message fuzz_side_handler fuzz_grpc_service fuzz_config fuzz_state_file
+targets=(fuzz_side_message fuzz_side_handler fuzz_grpc_service fuzz_config fuzz_state_file fuzz_safetensors
   fuzz_control_page)
 dir=build-fuzz
 cxx=$(command -v clang++-14 || command -v clang++ || true)

@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <string_view>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -39,6 +41,249 @@ absl::Status Bad(const std::string& label, const std::string& what) {
       absl::StrCat(label, " is not a valid safetensors file: ", what));
 }
 
+// HeaderReader checks a safetensors header as nlohmann's SAX parser reads it, building only the
+// tensors' entries: never a JSON document of the whole header. A document would cost the daemon
+// many times the header's bytes (a 40 MB header of nested arrays took 1.5 GB), which a client
+// could ask for with every store request; here memory is the tensors' entries, and a refusal
+// stops the parse at once. The shape it accepts is safetensors': an object of tensors, each an
+// object with "dtype" (a string), "shape" (whole numbers) and "data_offsets" ([begin, end] into
+// the data), other keys ignored (to a bounded depth), and "__metadata__", an object of strings.
+class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  HeaderReader(const std::string& label, uint64_t data_bytes,
+               std::vector<SafetensorsTensor>* tensors)
+      : label_(label), data_bytes_(data_bytes), tensors_(tensors) {}
+
+  const absl::Status& status() const { return status_; }
+
+  bool null() override { return Scalar(); }
+  bool boolean(bool) override { return Scalar(); }
+  bool number_integer(number_integer_t) override { return Number(false, 0); }
+  bool number_unsigned(number_unsigned_t v) override { return Number(true, v); }
+  bool number_float(number_float_t, const string_t&) override { return Number(false, 0); }
+  bool binary(binary_t&) override { return Scalar(); }
+  bool string(string_t& v) override {
+    if (at_ == At::kTensor && field_ == Field::kDtype) {
+      tensor_.dtype = v;
+      has_dtype_ = true;
+      return true;
+    }
+    if (at_ == At::kMetadata) return true;
+    return Scalar();
+  }
+  bool key(string_t& k) override {
+    if (at_ == At::kTop) {
+      if (k.empty() || k.size() > 1024) {
+        return Fail(absl::StrCat("tensor '", k.substr(0, 64), "' has an empty or over-long name"));
+      }
+      if (tensors_->size() >= kMaxTensors) {
+        return Fail(absl::StrCat("it names more than ", kMaxTensors, " tensors"));
+      }
+      name_ = k;
+    } else if (at_ == At::kTensor) {
+      field_ = k == "dtype"          ? Field::kDtype
+               : k == "shape"        ? Field::kShape
+               : k == "data_offsets" ? Field::kOffsets
+                                     : Field::kOther;
+      if (field_ != Field::kOther) {
+        const unsigned bit = 1u << static_cast<int>(field_);
+        if (fields_seen_ & bit) return FailTensor(absl::StrCat("names '", k, "' twice"));
+        fields_seen_ |= bit;
+      }
+    }
+    return true;  // keys of __metadata__ and of skipped values
+  }
+  bool start_object(std::size_t) override {
+    switch (at_) {
+      case At::kStart:
+        at_ = At::kTop;
+        return true;
+      case At::kTop:
+        if (name_ == "__metadata__") {
+          at_ = At::kMetadata;
+          return true;
+        }
+        at_ = At::kTensor;
+        tensor_ = SafetensorsTensor();
+        tensor_.name = name_;
+        has_dtype_ = has_shape_ = false;
+        fields_seen_ = 0;
+        offsets_.clear();
+        field_ = Field::kOther;
+        return true;
+      case At::kTensor:
+        if (field_ == Field::kOther) return Skip();
+        return Wrong();
+      case At::kSkip:
+        return Skip();
+      default:
+        return Wrong();
+    }
+  }
+  bool end_object() override {
+    switch (at_) {
+      case At::kTop:
+        at_ = At::kDone;
+        return true;
+      case At::kMetadata:
+        at_ = At::kTop;
+        return true;
+      case At::kTensor:
+        at_ = At::kTop;
+        return FinishTensor();
+      case At::kSkip:
+        return Unskip();
+      default:
+        return Wrong();
+    }
+  }
+  bool start_array(std::size_t) override {
+    if (at_ == At::kTensor && field_ == Field::kShape) {
+      at_ = At::kShape;
+      tensor_.shape.clear();
+      numel_ = 1;
+      has_shape_ = true;
+      return true;
+    }
+    if (at_ == At::kTensor && field_ == Field::kOffsets) {
+      at_ = At::kOffsets;
+      offsets_.clear();
+      return true;
+    }
+    if (at_ == At::kSkip || (at_ == At::kTensor && field_ == Field::kOther)) return Skip();
+    return Wrong();
+  }
+  bool end_array() override {
+    if (at_ == At::kShape || at_ == At::kOffsets) {
+      at_ = At::kTensor;
+      return true;
+    }
+    if (at_ == At::kSkip) return Unskip();
+    return Wrong();
+  }
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception&) override {
+    if (status_.ok()) {
+      status_ = Bad(label_, absl::StrCat("its header is not JSON (it breaks off at byte ", position,
+                                         " of the header)"));
+    }
+    return false;
+  }
+
+ private:
+  // Where the reader is: before the header's object, in it, in "__metadata__", in a tensor's
+  // object or its shape or data_offsets, inside a value of a key it ignores, or after the end.
+  enum class At { kStart, kTop, kMetadata, kTensor, kShape, kOffsets, kSkip, kDone };
+  enum class Field { kDtype, kShape, kOffsets, kOther };
+  // No real checkpoint comes near these; they bound what a header can make the daemon hold.
+  static constexpr size_t kMaxTensors = size_t{1} << 20;
+  static constexpr int kMaxSkipDepth = 16;
+
+  bool Fail(const std::string& what) {
+    status_ = Bad(label_, what);
+    return false;
+  }
+  bool FailTensor(const std::string& what) {
+    return Fail(absl::StrCat("tensor '", tensor_.name, "' ", what));
+  }
+  // A value where the shape above allows none of its kind.
+  bool Wrong() {
+    switch (at_) {
+      case At::kStart:
+        return Fail("its header is not a JSON object");
+      case At::kTop:
+        if (name_ == "__metadata__") return Fail("its __metadata__ is not an object of strings");
+        return Fail(absl::StrCat("tensor '", name_, "' is not a JSON object"));
+      case At::kMetadata:
+        return Fail("its __metadata__ has a value that is not a string");
+      case At::kTensor:
+        return field_ == Field::kDtype   ? FailTensor("has no dtype string")
+               : field_ == Field::kShape ? FailTensor("has no shape array")
+                                         : FailTensor("has no data_offsets [begin, end]");
+      case At::kShape:
+        return FailTensor("has a shape entry that is not a whole number >= 0");
+      case At::kOffsets:
+        return FailTensor("has data_offsets that are not whole numbers >= 0");
+      default:
+        return Fail("it has more than one JSON value in its header");
+    }
+  }
+  // A string, number, boolean or null outside a shape, data_offsets or dtype.
+  bool Scalar() {
+    if (at_ == At::kSkip || (at_ == At::kTensor && field_ == Field::kOther)) return true;
+    return Wrong();
+  }
+  bool Number(bool whole, uint64_t v) {
+    if (at_ == At::kShape) {
+      if (!whole) return Wrong();
+      if (tensor_.shape.size() == 16) return FailTensor("has more than 16 dimensions");
+      tensor_.shape.push_back(v);
+      numel_ *= v;
+      if (numel_ > std::numeric_limits<uint64_t>::max() / 8)
+        return FailTensor("has an absurd shape");
+      return true;
+    }
+    if (at_ == At::kOffsets) {
+      if (!whole) return Wrong();
+      if (offsets_.size() == 2) return FailTensor("has no data_offsets [begin, end]");
+      offsets_.push_back(v);
+      return true;
+    }
+    return Scalar();
+  }
+  bool Skip() {
+    if (at_ != At::kSkip) {
+      at_ = At::kSkip;
+      skip_depth_ = 0;
+    }
+    if (++skip_depth_ > kMaxSkipDepth) {
+      return FailTensor(absl::StrCat("has a value nested deeper than ", kMaxSkipDepth, " levels"));
+    }
+    return true;
+  }
+  bool Unskip() {
+    if (--skip_depth_ == 0) at_ = At::kTensor;
+    return true;
+  }
+  bool FinishTensor() {
+    SafetensorsTensor& t = tensor_;
+    if (!has_dtype_) return FailTensor("has no dtype string");
+    if (!has_shape_) return FailTensor("has no shape array");
+    if (offsets_.size() != 2) return FailTensor("has no data_offsets [begin, end]");
+    const uint64_t elem = SafetensorsDtypeBytes(t.dtype);
+    if (elem == 0) return FailTensor(absl::StrCat("has an unknown dtype '", t.dtype, "'"));
+    t.begin = offsets_[0];
+    t.end = offsets_[1];
+    if (t.end < t.begin) return FailTensor("has data_offsets whose end is before its begin");
+    if (t.end > data_bytes_) {
+      return FailTensor(absl::StrCat("ends at byte ", t.end, " of the data, which has only ",
+                                     data_bytes_,
+                                     " bytes (the file is truncated or the header lies)"));
+    }
+    const uint64_t want = static_cast<uint64_t>(numel_) * elem;
+    if (t.bytes() != want) {
+      return FailTensor(absl::StrCat("spans ", t.bytes(), " bytes but its shape and dtype ",
+                                     t.dtype, " need ", want));
+    }
+    tensors_->push_back(std::move(t));
+    return true;
+  }
+
+  const std::string& label_;
+  const uint64_t data_bytes_;
+  std::vector<SafetensorsTensor>* tensors_;
+  absl::Status status_;
+  At at_ = At::kStart;
+  Field field_ = Field::kOther;
+  std::string name_;  // the top-level key being read
+  SafetensorsTensor tensor_;
+  bool has_dtype_ = false, has_shape_ = false;
+  unsigned fields_seen_ = 0;  // bits of Field: dtype, shape and data_offsets may come once each
+  std::vector<uint64_t> offsets_;
+  unsigned __int128 numel_ = 1;
+  int skip_depth_ = 0;
+};
+
 }  // namespace
 
 uint64_t SafetensorsTensor::numel() const {
@@ -65,62 +310,15 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& json
   h.label = label;
   h.file_bytes = file_bytes;
   h.data_offset = 8 + json.size();
-  h.header_json = json;
   if (h.data_offset > file_bytes) {
     return Bad(label, absl::StrCat("its header says ", json.size(), " bytes but the file has ",
                                    file_bytes, " bytes"));
   }
-  const uint64_t data_bytes = file_bytes - h.data_offset;
-  nlohmann::json doc = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) return Bad(label, "its header is not JSON");
-  if (!doc.is_object()) return Bad(label, "its header is not a JSON object");
-  for (auto it = doc.begin(); it != doc.end(); ++it) {
-    const std::string& name = it.key();
-    if (name == "__metadata__") continue;
-    const auto bad = [&](const std::string& what) {
-      return Bad(label, absl::StrCat("tensor '", name, "' ", what));
-    };
-    if (name.empty() || name.size() > 1024) return bad("has an empty or over-long name");
-    const nlohmann::json& t = it.value();
-    if (!t.is_object()) return bad("is not a JSON object");
-    const auto dtype = t.find("dtype");
-    const auto shape = t.find("shape");
-    const auto offsets = t.find("data_offsets");
-    if (dtype == t.end() || !dtype->is_string()) return bad("has no dtype string");
-    if (shape == t.end() || !shape->is_array()) return bad("has no shape array");
-    if (offsets == t.end() || !offsets->is_array() || offsets->size() != 2) {
-      return bad("has no data_offsets [begin, end]");
-    }
-    SafetensorsTensor out;
-    out.name = name;
-    out.dtype = dtype->get<std::string>();
-    const uint64_t elem = SafetensorsDtypeBytes(out.dtype);
-    if (elem == 0) return bad(absl::StrCat("has an unknown dtype '", out.dtype, "'"));
-    if (shape->size() > 16) return bad(absl::StrCat("has ", shape->size(), " dimensions"));
-    unsigned __int128 numel = 1;
-    for (const auto& d : *shape) {
-      if (!d.is_number_unsigned()) return bad("has a shape entry that is not a whole number >= 0");
-      out.shape.push_back(d.get<uint64_t>());
-      numel *= out.shape.back();
-      if (numel > std::numeric_limits<uint64_t>::max() / 8) return bad("has an absurd shape");
-    }
-    for (const auto& o : *offsets) {
-      if (!o.is_number_unsigned()) return bad("has data_offsets that are not whole numbers >= 0");
-    }
-    out.begin = (*offsets)[0].get<uint64_t>();
-    out.end = (*offsets)[1].get<uint64_t>();
-    if (out.end < out.begin) return bad("has data_offsets whose end is before its begin");
-    if (out.end > data_bytes) {
-      return bad(absl::StrCat("ends at byte ", out.end, " of the data, which has only ", data_bytes,
-                              " bytes (the file is truncated or the header lies)"));
-    }
-    const uint64_t want = static_cast<uint64_t>(numel) * elem;
-    if (out.bytes() != want) {
-      return bad(absl::StrCat("spans ", out.bytes(), " bytes but its shape and dtype ", out.dtype,
-                              " need ", want));
-    }
-    h.tensors.push_back(std::move(out));
-  }
+  HeaderReader reader(label, file_bytes - h.data_offset, &h.tensors);
+  const bool parsed = nlohmann::json::sax_parse(json, &reader);
+  if (!reader.status().ok()) return reader.status();
+  if (!parsed) return Bad(label, "its header is not JSON");  // sax_parse failed without a reason
+  h.header_json = json;
   std::sort(h.tensors.begin(), h.tensors.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
               return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -130,6 +328,15 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& json
       return Bad(label, absl::StrCat("tensors '", h.tensors[i - 1].name, "' and '",
                                      h.tensors[i].name, "' overlap"));
     }
+  }
+  std::vector<std::string_view> names;
+  names.reserve(h.tensors.size());
+  for (const SafetensorsTensor& t : h.tensors) names.push_back(t.name);
+  std::sort(names.begin(), names.end());
+  const auto twice = std::adjacent_find(names.begin(), names.end());
+  if (twice != names.end()) {
+    return Bad(label, absl::StrCat("tensor '", absl::string_view(twice->data(), twice->size()),
+                                   "' is named twice in its header"));
   }
   return h;
 }

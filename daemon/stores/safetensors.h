@@ -3,8 +3,10 @@
 // name to its dtype, shape and [begin, end) offsets into the data that follows the header
 // ("__metadata__" is skipped). The client is untrusted and so is its file: every length, offset,
 // dtype and shape is checked (the header fits in the file, each tensor's byte span equals its
-// shape times its element size and lies inside the data, no two tensors overlap), and a refusal
-// names the file and the tensor. Nothing here reads tensor data.
+// shape times its element size and lies inside the data, no two tensors overlap, no name or field
+// comes twice), and a refusal names the file and the tensor. The header is checked as nlohmann's
+// SAX parser reads it, never built into a JSON document (which would cost many times the
+// header's bytes, at a client's asking). Nothing here reads tensor data.
 #pragma once
 
 #include <cstdint>

@@ -559,6 +559,39 @@ TEST(Stores, MalformedOrLyingCheckpointsAreRefusedNamingTheFileAndTensor) {
        },
        all,
        {"tensor 'neg'", "shape"}},
+      {"nested-too-deep",
+       [&](const std::string& p) {
+         WriteSafetensors(p, {},
+                          R"({"deep":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"x":)" +
+                              std::string(100, '[') + std::string(100, ']') + "}}");
+         std::ofstream(p, std::ios::app) << std::string(16, 'x');
+       },
+       all,
+       {"tensor 'deep'", "nested deeper than 16"}},
+      {"metadata-not-strings",
+       [&](const std::string& p) {
+         WriteSafetensors(p, {},
+                          R"({"__metadata__":{"format":["pt"]},)"
+                          R"("t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})");
+         std::ofstream(p, std::ios::app) << std::string(16, 'x');
+       },
+       all,
+       {"__metadata__", "not a string"}},
+      {"named-twice",
+       [&](const std::string& p) {
+         WriteSafetensors(p, {},
+                          R"({"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                          R"("t":{"dtype":"F32","shape":[4],"data_offsets":[16,32]}})");
+         std::ofstream(p, std::ios::app) << std::string(32, 'x');
+       },
+       all,
+       {"tensor 't' is named twice"}},
+      {"cut-off-json",
+       [&](const std::string& p) {
+         WriteSafetensors(p, {}, R"({"t":{"dtype":"F32","shape":[4],"data_off)");
+       },
+       all,
+       {"not JSON", "breaks off at byte"}},
       {"missing-tensor",
        [&](const std::string& p) {
          WriteSafetensors(p, {{"t", "F32", {16}, f32}});
@@ -601,6 +634,52 @@ TEST(Stores, MalformedOrLyingCheckpointsAreRefusedNamingTheFileAndTensor) {
   EXPECT_EQ(c->Status()->used_bytes, 0u);
   const Checkpoint ck = MakeCheckpoint(dir + "/good.safetensors");
   EXPECT_TRUE(c->OpenStore({ck.path}, Nf4Spec()).ok());
+}
+
+// The header is checked as it is parsed, never built into a JSON document: a document costs
+// many times the header's bytes (a 40 MB header of nested arrays took 1.5 GB), which any client
+// could ask of the daemon with each store request. Headers of 32 MiB, one deeply nested and one
+// wide where only skipped keys are, are refused or read without the daemon's peak memory growing
+// much beyond the header itself; keys tsd does not know are skipped, as safetensors' readers do.
+TEST(Stores, AHugeHeaderCostsTheDaemonLittleMoreThanItsBytes) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "64MiB"}});
+  ASSERT_TRUE(d);
+  auto c = Attached(*d, "job");
+  const auto peak_kib = [&] {
+    std::ifstream status("/proc/" + std::to_string(d->pid()) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
+    }
+    return 0ull;
+  };
+  const uint64_t before = peak_kib();
+  ASSERT_GT(before, 0u);
+  constexpr size_t kBytes = 32 << 20;
+  const std::string head = R"({"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"extra":)";
+  const std::string deep =
+      head + std::string(kBytes / 2, '[') + std::string(kBytes / 2, ']') + "}}";
+  std::string wide = head + "[0";
+  wide.reserve(kBytes + 64);
+  while (wide.size() < kBytes) wide += ",0";
+  wide += "]}}";
+  const std::string deep_path = d->dir() + "/deep.safetensors";
+  const std::string wide_path = d->dir() + "/wide.safetensors";
+  WriteSafetensors(deep_path, {}, deep);
+  std::ofstream(deep_path, std::ios::app) << std::string(16, 'x');
+  WriteSafetensors(wide_path, {}, wide);
+  std::ofstream(wide_path, std::ios::app) << std::string(16, 'x');
+  auto refused = c->OpenStore({deep_path}, StoreSpec{});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("nested deeper than 16"));
+  // The wide one is a valid checkpoint of one tensor: its unknown key's array is skipped.
+  auto wide_store = c->OpenStore({wide_path}, StoreSpec{});
+  ASSERT_TRUE(wide_store.ok()) << wide_store.status();
+  const uint64_t grew_kib = peak_kib() - before;
+  // The header's bytes, read once and kept once for the store's digest, plus slack; a JSON
+  // document of either header would be hundreds of MiB.
+  EXPECT_LT(grew_kib, 3 * (kBytes >> 10) + (32 << 10))
+      << "peak RSS grew by " << (grew_kib >> 10) << " MiB for 32 MiB headers";
 }
 
 TEST(Stores, ACopyOfTheCheckpointElsewhereSharesTheStore) {

@@ -1,7 +1,8 @@
 // Writes the seed inputs of the fuzz targets (tests/fuzz/corpus/<target>/seed-*): valid side
-// conversations framed as the targets read them, and a valid optimizer state file saved by the
-// same small optimizer fuzz_state_file loads into. Run by scripts/fuzz.sh --seed; the seeds are
-// kept in the repository, so this is only needed when the protocol changes.
+// conversations framed as the targets read them, a valid optimizer state file saved by the same
+// small optimizer fuzz_state_file loads into, and safetensors checkpoints for fuzz_safetensors.
+// Run by scripts/fuzz.sh --seed; the seeds are kept in the repository, so this is only needed
+// when the protocol changes.
 //   make_seeds CORPUS_DIR
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -163,5 +164,21 @@ int main(int argc, char** argv) {
   std::string state(static_cast<size_t>(lseek(fd, 0, SEEK_END)), '\0');
   if (pread(fd, state.data(), state.size(), 0) != static_cast<ssize_t>(state.size())) return 1;
   Write(root + "/fuzz_state_file", "seed-state", state);
+
+  // fuzz_safetensors: a valid checkpoint of three tensors (F32, BF16, a scalar I8), with
+  // __metadata__ and a key tsd skips, then the data; and one whose header is cut short.
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},)"
+      R"("a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16],"extra":{"k":[1,2.5,{"z":null}]}},)"
+      R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[16,22]},)"
+      R"("c":{"dtype":"I8","shape":[],"data_offsets":[22,23]}})";
+  const auto checkpoint = [](const std::string& json, uint64_t len) {
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+    return file + json + std::string(23, '\x01');
+  };
+  Write(root + "/fuzz_safetensors", "seed-checkpoint", checkpoint(header, header.size()));
+  Write(root + "/fuzz_safetensors", "seed-cut-header",
+        checkpoint(header.substr(0, header.size() / 2), header.size() / 2));
   return 0;
 }
