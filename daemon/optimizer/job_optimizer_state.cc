@@ -50,6 +50,65 @@ const char* SafetensorsDType(kernels::DType d) {
   return "?";
 }
 
+// HeaderBound reads a state file's header once as a stream before it is parsed into a document,
+// and stops at the first value deeper than a state header goes (the header's object, a tensor's
+// object, its shape or offsets: 3 levels) or past a count of values and keys proportional to the
+// job's buckets. A document costs the daemon many times the header's bytes (a 40 MB header of
+// nested arrays took 1.5 GB), which a client could otherwise ask for with every load_state; with
+// the bound it costs about what a real state header of the job's layout would.
+class HeaderBound final : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit HeaderBound(uint64_t max_items) : max_items_(max_items) {}
+  // Empty when the header is within the bound (or is not JSON: the document parse says so).
+  const std::string& why() const { return why_; }
+
+  bool null() override { return Item(); }
+  bool boolean(bool) override { return Item(); }
+  bool number_integer(number_integer_t) override { return Item(); }
+  bool number_unsigned(number_unsigned_t) override { return Item(); }
+  bool number_float(number_float_t, const string_t&) override { return Item(); }
+  bool string(string_t&) override { return Item(); }
+  bool binary(binary_t&) override { return Item(); }
+  bool key(string_t&) override { return Item(); }
+  bool start_object(std::size_t) override { return Open(); }
+  bool start_array(std::size_t) override { return Open(); }
+  bool end_object() override { return Close(); }
+  bool end_array() override { return Close(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 3;
+
+  bool Item() {
+    if (++items_ <= max_items_) return true;
+    why_ = absl::StrCat("the state file's header has more than ", max_items_,
+                        " values and keys, more than a state of this optimizer's layout has");
+    return false;
+  }
+  bool Open() {
+    if (++depth_ > kMaxDepth) {
+      why_ = absl::StrCat("the state file's header nests deeper than the ", kMaxDepth,
+                          " levels of a state header");
+      return false;
+    }
+    return Item();
+  }
+  bool Close() {
+    --depth_;
+    return true;
+  }
+
+  const uint64_t max_items_;
+  uint64_t items_ = 0;
+  int depth_ = 0;
+  std::string why_;
+};
+
+// At most this much of a refused tensor's header entry is quoted back in the error.
+constexpr size_t kMaxQuotedBytes = 256;
+
 struct Entry {
   std::string name;
   const char* dtype;
@@ -179,6 +238,11 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
   }
   std::string h(hlen, '\0');
   TSD_RETURN_IF_ERROR(ReadAll(fd, h.data(), hlen, 8));
+  // A real header: per bucket 4 entries of about 12 values, keys and containers, and the metadata.
+  HeaderBound bound(64 * (4 * runs_.size() + 8));
+  if (!nlohmann::json::sax_parse(h, &bound) && !bound.why().empty()) {
+    return absl::InvalidArgumentError(bound.why());
+  }
   const nlohmann::json header = nlohmann::json::parse(h, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object())
     return absl::InvalidArgumentError("the state file's header is not JSON");
@@ -228,9 +292,9 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
           !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
           !t["data_offsets"][0].is_number_unsigned() ||
           !t["data_offsets"][1].is_number_unsigned()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tensor '", e.name, "' in the state file is ", t.dump(),
-                         "; expected dtype ", e.dtype, " and shape [", e.numel, "]"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", e.name, "' in the state file is ", t.dump().substr(0, kMaxQuotedBytes),
+            "; expected dtype ", e.dtype, " and shape [", e.numel, "]"));
       }
       const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
       if (end < begin || end - begin != e.bytes || end > data_bytes) {

@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <thread>
@@ -598,6 +600,60 @@ TEST(Optimizer, StateFileWithNonStringFieldsIsRefusedNotFatal) {
     ASSERT_TRUE(d->running()) << header;
     ASSERT_EQ(kill(d->pid(), 0), 0) << "tsd died on " << header << "\n" << d->log();
   }
+  std::memset(s.opt->grad(0), 0, 12);
+  ASSERT_TRUE(s.opt->Ready(0).ok());
+  ASSERT_TRUE(s.opt->Wait(0).ok());
+}
+
+// A state header is bounded before it is parsed into a document: deeper than a state header
+// goes (3 levels), or with more values than the job's layout has, it is refused without the daemon
+// building it (a document of a 32 MiB header of nested arrays would cost it over a GiB). The
+// daemon's peak memory grows by about the header's bytes, and the job lives on.
+TEST(Optimizer, StateFileHeadersAreBoundedBeforeTheyAreParsed) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{}};
+  spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
+  auto s = Attach(*d, "state-bound", spec);
+  ASSERT_TRUE(s.opt);
+  const auto peak_kib = [&] {
+    std::ifstream status("/proc/" + std::to_string(d->pid()) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
+    }
+    return 0ull;
+  };
+  const uint64_t before = peak_kib();
+  constexpr size_t kBytes = 32 << 20;
+  const std::string meta = R"({"__metadata__":{"format":"tsd.optimizer.v1"},"b0.master":)";
+  std::string wide = meta + "[0";
+  wide.reserve(kBytes + 64);
+  while (wide.size() < kBytes) wide += ",0";
+  wide += "]}";
+  const std::pair<std::string, std::string> cases[] = {
+      {meta + std::string(kBytes / 2, '[') + std::string(kBytes / 2, ']') + "}",
+       "nests deeper than the 3 levels"},
+      {wide, "more than"},
+  };
+  for (const auto& [header, why] : cases) {
+    const int fd = memfd_create("bounded", MFD_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    file += header + std::string(64, '\0');
+    ASSERT_EQ(write(fd, file.data(), file.size()), static_cast<ssize_t>(file.size()));
+    auto loaded = s.opt->LoadState(fd);
+    close(fd);
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << why;
+    EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(why));
+  }
+  const uint64_t grew_kib = peak_kib() - before;
+  std::printf("peak RSS grew by %llu MiB for 32 MiB headers\n",
+              static_cast<unsigned long long>(grew_kib >> 10));
+  EXPECT_LT(grew_kib, 3 * (kBytes >> 10) + (32 << 10))
+      << "peak RSS grew by " << (grew_kib >> 10) << " MiB for 32 MiB headers";
   std::memset(s.opt->grad(0), 0, 12);
   ASSERT_TRUE(s.opt->Ready(0).ok());
   ASSERT_TRUE(s.opt->Wait(0).ok());

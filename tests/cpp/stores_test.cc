@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -676,6 +677,8 @@ TEST(Stores, AHugeHeaderCostsTheDaemonLittleMoreThanItsBytes) {
   auto wide_store = c->OpenStore({wide_path}, StoreSpec{});
   ASSERT_TRUE(wide_store.ok()) << wide_store.status();
   const uint64_t grew_kib = peak_kib() - before;
+  std::printf("peak RSS grew by %llu MiB for 32 MiB headers\n",
+              static_cast<unsigned long long>(grew_kib >> 10));
   // The header's bytes, read once and kept once for the store's digest, plus slack; a JSON
   // document of either header would be hundreds of MiB.
   EXPECT_LT(grew_kib, 3 * (kBytes >> 10) + (32 << 10))
