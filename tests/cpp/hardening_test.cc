@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "daemon_process.h"
+#include "google/protobuf/stubs/logging.h"
 
 namespace tsd::testing {
 namespace {
@@ -365,7 +366,8 @@ TEST(Hardening, MalformedGrpcRequestSaysWhatFailedToParse) {
 // request, on both sockets. They go through tsd's logger instead, at debug (so none at the default
 // level, info) and in tsd's key=value format.
 TEST(Hardening, ProtobufLinesFromClientBytesStayOutOfTheLog) {
-  {  // DaemonProcess runs tsd at --log-level debug
+  {                                       // DaemonProcess runs tsd at --log-level debug
+    google::protobuf::LogSilencer quiet;  // this process's own lines, as it serializes the bytes
     auto d = DaemonProcess::Start();
     ASSERT_NE(d, nullptr);
     auto channel = grpc::CreateChannel("unix:" + d->socket(), grpc::InsecureChannelCredentials());
