@@ -366,8 +366,9 @@ TEST(Hardening, MalformedGrpcRequestSaysWhatFailedToParse) {
 // request, on both sockets. They go through tsd's logger instead, at debug (so none at the default
 // level, info) and in tsd's key=value format.
 TEST(Hardening, ProtobufLinesFromClientBytesStayOutOfTheLog) {
-  {                                       // DaemonProcess runs tsd at --log-level debug
-    google::protobuf::LogSilencer quiet;  // this process's own lines, as it serializes the bytes
+  // This process's own protobuf lines (it serializes the bytes) are not the daemon's.
+  google::protobuf::LogSilencer quiet;
+  {  // DaemonProcess runs tsd at --log-level debug
     auto d = DaemonProcess::Start();
     ASSERT_NE(d, nullptr);
     auto channel = grpc::CreateChannel("unix:" + d->socket(), grpc::InsecureChannelCredentials());
