@@ -142,6 +142,15 @@ int DaemonProcess::OpenFds() const {
   return n;
 }
 
+uint64_t DaemonProcess::PeakRssKib() const {
+  std::ifstream status("/proc/" + std::to_string(pid_) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
+  }
+  return 0;
+}
+
 std::unique_ptr<tsd::Client> DaemonProcess::Connect() const {
   auto c = tsd::Client::Connect(socket_);
   EXPECT_TRUE(c.ok()) << c.status();

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <random>
 #include <thread>
@@ -569,6 +568,21 @@ TEST(Optimizer, BadHyperparametersAreRefusedBeforeThePage) {
   EXPECT_EQ(s.opt->steps(0), 1u);
 }
 
+// A state file in a memfd: the 8-byte length of `header`, the header, 64 zero bytes of data.
+// Returns the descriptor, or -1 when it could not be written.
+int StateFile(const std::string& header) {
+  const int fd = memfd_create("state", MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  file += header + std::string(64, '\0');
+  if (write(fd, file.data(), file.size()) != static_cast<ssize_t>(file.size())) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 // Found by fuzz_state_file (issue 13): a state file whose header has a "dtype" or "format" that is
 // not a string made the JSON library throw inside load_state, and the uncaught exception ended
 // the daemon. Each such file is refused with INVALID_ARGUMENT; the daemon and the job live on.
@@ -588,12 +602,8 @@ TEST(Optimizer, StateFileWithNonStringFieldsIsRefusedNotFatal) {
       "{" + good_meta + R"(,"b0.master":{"data_offsets":[0,12],"dtype":7,"shape":[3]}})",
   };
   for (const std::string& header : headers) {
-    const int fd = memfd_create("poison", MFD_CLOEXEC);
+    const int fd = StateFile(header);
     ASSERT_GE(fd, 0);
-    std::string file(8, '\0');
-    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-    file += header + std::string(64, '\0');
-    ASSERT_EQ(write(fd, file.data(), file.size()), static_cast<ssize_t>(file.size()));
     auto loaded = s.opt->LoadState(fd);
     close(fd);
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << header;
@@ -617,15 +627,7 @@ TEST(Optimizer, StateFileHeadersAreBoundedBeforeTheyAreParsed) {
   spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
   auto s = Attach(*d, "state-bound", spec);
   ASSERT_TRUE(s.opt);
-  [[maybe_unused]] const auto peak_kib = [&] {
-    std::ifstream status("/proc/" + std::to_string(d->pid()) + "/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
-    }
-    return 0ull;
-  };
-  [[maybe_unused]] const uint64_t before = peak_kib();
+  const uint64_t before = d->PeakRssKib();
   constexpr size_t kBytes = 32 << 20;
   const std::string meta = R"({"__metadata__":{"format":"tsd.optimizer.v1"},"b0.master":)";
   std::string wide = meta + "[0";
@@ -638,25 +640,14 @@ TEST(Optimizer, StateFileHeadersAreBoundedBeforeTheyAreParsed) {
       {wide, "more than"},
   };
   for (const auto& [header, why] : cases) {
-    const int fd = memfd_create("bounded", MFD_CLOEXEC);
+    const int fd = StateFile(header);
     ASSERT_GE(fd, 0);
-    std::string file(8, '\0');
-    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-    file += header + std::string(64, '\0');
-    ASSERT_EQ(write(fd, file.data(), file.size()), static_cast<ssize_t>(file.size()));
     auto loaded = s.opt->LoadState(fd);
     close(fd);
     EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << why;
     EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(why));
   }
-#ifndef TSD_SANITIZED  // sanitizers' quarantine and shadow memory grow with the heap: the plain
-                       // build checks the bound
-  const uint64_t grew_kib = peak_kib() - before;
-  std::printf("peak RSS grew by %llu MiB for 32 MiB headers\n",
-              static_cast<unsigned long long>(grew_kib >> 10));
-  EXPECT_LT(grew_kib, 3 * (kBytes >> 10) + (32 << 10))
-      << "peak RSS grew by " << (grew_kib >> 10) << " MiB for 32 MiB headers";
-#endif
+  ExpectPeakRssGrowthBelow(*d, before, 3 * (kBytes >> 10) + (32 << 10), "32 MiB headers");
   std::memset(s.opt->grad(0), 0, 12);
   ASSERT_TRUE(s.opt->Ready(0).ok());
   ASSERT_TRUE(s.opt->Wait(0).ok());

@@ -646,15 +646,7 @@ TEST(Stores, AHugeHeaderCostsTheDaemonLittleMoreThanItsBytes) {
   auto d = DaemonProcess::Start({.args = {"--pool-size", "64MiB"}});
   ASSERT_TRUE(d);
   auto c = Attached(*d, "job");
-  [[maybe_unused]] const auto peak_kib = [&] {
-    std::ifstream status("/proc/" + std::to_string(d->pid()) + "/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
-    }
-    return 0ull;
-  };
-  [[maybe_unused]] const uint64_t before = peak_kib();
+  const uint64_t before = d->PeakRssKib();
   ASSERT_GT(before, 0u);
   constexpr size_t kBytes = 32 << 20;
   const std::string head = R"({"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"extra":)";
@@ -676,16 +668,9 @@ TEST(Stores, AHugeHeaderCostsTheDaemonLittleMoreThanItsBytes) {
   // The wide one is a valid checkpoint of one tensor: its unknown key's array is skipped.
   auto wide_store = c->OpenStore({wide_path}, StoreSpec{});
   ASSERT_TRUE(wide_store.ok()) << wide_store.status();
-#ifndef TSD_SANITIZED  // sanitizers' quarantine and shadow memory grow with the heap: the plain
-                       // build checks the bound
-  const uint64_t grew_kib = peak_kib() - before;
-  std::printf("peak RSS grew by %llu MiB for 32 MiB headers\n",
-              static_cast<unsigned long long>(grew_kib >> 10));
   // The header's bytes, read once and kept once for the store's digest, plus slack; a JSON
   // document of either header would be hundreds of MiB.
-  EXPECT_LT(grew_kib, 3 * (kBytes >> 10) + (32 << 10))
-      << "peak RSS grew by " << (grew_kib >> 10) << " MiB for 32 MiB headers";
-#endif
+  ExpectPeakRssGrowthBelow(*d, before, 3 * (kBytes >> 10) + (32 << 10), "32 MiB headers");
 }
 
 TEST(Stores, ACopyOfTheCheckpointElsewhereSharesTheStore) {
