@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -65,7 +66,6 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   bool string(string_t& v) override {
     if (at_ == At::kTensor && field_ == Field::kDtype) {
       tensor_.dtype = v;
-      has_dtype_ = true;
       return true;
     }
     if (at_ == At::kMetadata) return true;
@@ -86,9 +86,8 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
                : k == "data_offsets" ? Field::kOffsets
                                      : Field::kOther;
       if (field_ != Field::kOther) {
-        const unsigned bit = 1u << static_cast<int>(field_);
-        if (fields_seen_ & bit) return FailTensor(absl::StrCat("names '", k, "' twice"));
-        fields_seen_ |= bit;
+        if (Seen(field_)) return FailTensor(absl::StrCat("names '", k, "' twice"));
+        fields_seen_ |= 1u << static_cast<int>(field_);
       }
     }
     return true;  // keys of __metadata__ and of skipped values
@@ -106,7 +105,6 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
         at_ = At::kTensor;
         tensor_ = SafetensorsTensor();
         tensor_.name = name_;
-        has_dtype_ = has_shape_ = false;
         fields_seen_ = 0;
         offsets_.clear();
         field_ = Field::kOther;
@@ -142,7 +140,6 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
       at_ = At::kShape;
       tensor_.shape.clear();
       numel_ = 1;
-      has_shape_ = true;
       return true;
     }
     if (at_ == At::kTensor && field_ == Field::kOffsets) {
@@ -231,6 +228,7 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
     }
     return Scalar();
   }
+  bool Seen(Field f) const { return (fields_seen_ >> static_cast<int>(f)) & 1u; }
   bool Skip() {
     if (at_ != At::kSkip) {
       at_ = At::kSkip;
@@ -247,8 +245,9 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   }
   bool FinishTensor() {
     SafetensorsTensor& t = tensor_;
-    if (!has_dtype_) return FailTensor("has no dtype string");
-    if (!has_shape_) return FailTensor("has no shape array");
+    // A field's key seen means its value was read: a value of the wrong kind failed the parse.
+    if (!Seen(Field::kDtype)) return FailTensor("has no dtype string");
+    if (!Seen(Field::kShape)) return FailTensor("has no shape array");
     if (offsets_.size() != 2) return FailTensor("has no data_offsets [begin, end]");
     const uint64_t elem = SafetensorsDtypeBytes(t.dtype);
     if (elem == 0) return FailTensor(absl::StrCat("has an unknown dtype '", t.dtype, "'"));
@@ -277,7 +276,6 @@ class HeaderReader final : public nlohmann::json_sax<nlohmann::json> {
   Field field_ = Field::kOther;
   std::string name_;  // the top-level key being read
   SafetensorsTensor tensor_;
-  bool has_dtype_ = false, has_shape_ = false;
   unsigned fields_seen_ = 0;  // bits of Field: dtype, shape and data_offsets may come once each
   std::vector<uint64_t> offsets_;
   unsigned __int128 numel_ = 1;
@@ -303,8 +301,7 @@ uint64_t SafetensorsDtypeBytes(const std::string& dtype) {
   return 0;
 }
 
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& json,
-                                                         const std::string& label,
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::string json, const std::string& label,
                                                          uint64_t file_bytes) {
   SafetensorsHeader h;
   h.label = label;
@@ -318,7 +315,7 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& json
   const bool parsed = nlohmann::json::sax_parse(json, &reader);
   if (!reader.status().ok()) return reader.status();
   if (!parsed) return Bad(label, "its header is not JSON");  // sax_parse failed without a reason
-  h.header_json = json;
+  h.header_json = std::move(json);
   std::sort(h.tensors.begin(), h.tensors.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
               return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -362,7 +359,7 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, const std::strin
   }
   std::string json(len, '\0');
   if (absl::Status s = PreadAll(fd, json.data(), len, 8, label); !s.ok()) return s;
-  return ParseSafetensorsHeader(json, label, file_bytes);
+  return ParseSafetensorsHeader(std::move(json), label, file_bytes);
 }
 
 }  // namespace tsd::stores

@@ -47,9 +47,9 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(int fd, const std::string& label,
                                                         uint64_t file_bytes);
 
-// Checks a header given as bytes (the JSON after the 8-byte length), for a file of `file_bytes`.
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& json,
-                                                         const std::string& label,
+// Checks a header given as bytes (the JSON after the 8-byte length), for a file of `file_bytes`;
+// the bytes become the result's header_json.
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(std::string json, const std::string& label,
                                                          uint64_t file_bytes);
 
 }  // namespace tsd::stores

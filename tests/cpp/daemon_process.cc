@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -149,6 +150,18 @@ uint64_t DaemonProcess::PeakRssKib() const {
     if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6));
   }
   return 0;
+}
+
+void ExpectPeakRssGrowthBelow(const DaemonProcess& d, uint64_t before_kib, uint64_t bound_kib,
+                              const std::string& what) {
+#ifdef TSD_SANITIZED
+  (void)d, (void)before_kib, (void)bound_kib, (void)what;
+#else
+  const uint64_t grew_kib = d.PeakRssKib() - before_kib;
+  std::printf("peak RSS grew by %llu MiB for %s\n", static_cast<unsigned long long>(grew_kib >> 10),
+              what.c_str());
+  EXPECT_LT(grew_kib, bound_kib) << "peak RSS grew by " << (grew_kib >> 10) << " MiB for " << what;
+#endif
 }
 
 std::unique_ptr<tsd::Client> DaemonProcess::Connect() const {

@@ -7,10 +7,7 @@
 
 #include <sys/types.h>
 
-#include <gtest/gtest.h>
-
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
@@ -63,17 +60,8 @@ class DaemonProcess {
 // Expects the daemon's peak RSS (PeakRssKib) to have grown by less than `bound_kib` since
 // `before_kib`, printing the growth under `what`. A sanitized build (TSD_SANITIZED) checks nothing:
 // the sanitizers' quarantine and shadow memory grow with the heap; the plain build checks.
-inline void ExpectPeakRssGrowthBelow(const DaemonProcess& d, uint64_t before_kib,
-                                     uint64_t bound_kib, const std::string& what) {
-#ifdef TSD_SANITIZED
-  (void)d, (void)before_kib, (void)bound_kib, (void)what;
-#else
-  const uint64_t grew_kib = d.PeakRssKib() - before_kib;
-  std::printf("peak RSS grew by %llu MiB for %s\n", static_cast<unsigned long long>(grew_kib >> 10),
-              what.c_str());
-  EXPECT_LT(grew_kib, bound_kib) << "peak RSS grew by " << (grew_kib >> 10) << " MiB for " << what;
-#endif
-}
+void ExpectPeakRssGrowthBelow(const DaemonProcess& d, uint64_t before_kib, uint64_t bound_kib,
+                              const std::string& what);
 
 // Runs a shell command; returns its stdout and sets *rc to its exit code.
 std::string RunCommand(const std::string& cmd, int* rc = nullptr);

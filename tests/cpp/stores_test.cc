@@ -14,7 +14,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -668,7 +667,7 @@ TEST(Stores, AHugeHeaderCostsTheDaemonLittleMoreThanItsBytes) {
   // The wide one is a valid checkpoint of one tensor: its unknown key's array is skipped.
   auto wide_store = c->OpenStore({wide_path}, StoreSpec{});
   ASSERT_TRUE(wide_store.ok()) << wide_store.status();
-  // The header's bytes, read once and kept once for the store's digest, plus slack; a JSON
+  // The header's bytes, read once and kept for the store's digest, plus slack; a JSON
   // document of either header would be hundreds of MiB.
   ExpectPeakRssGrowthBelow(*d, before, 3 * (kBytes >> 10) + (32 << 10), "32 MiB headers");
 }
