@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "daemon/ops/version.h"
 #include "proto/status_macros.h"
 #include "proto/wire.h"
@@ -111,8 +112,11 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     // client can make the daemon hold descriptors.
     close(fd);
     fd = -1;
-    spdlog::warn("event=unexpected_fd uid={} pid={} session={} request={}", caller.uid, caller.pid,
-                 caller.session_id, KindName(request));
+    uint64_t held_back = 0;
+    if (unexpected_fd_log_.Allow(caller.uid, absl::Now(), &held_back)) {
+      spdlog::warn("event=unexpected_fd uid={} pid={} session={} request={} earlier_not_logged={}",
+                   caller.uid, caller.pid, caller.session_id, KindName(request), held_back);
+    }
   }
   struct FdCloser {
     int fd;
@@ -281,10 +285,13 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
     SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
                             "client speaks protocol ", theirs, ", tsd ", kVersion,
                             " speaks protocol ", wire::kProtocolVersion, ": ", upgrade)));
-    spdlog::warn(
-        "event=attach_refused reason=protocol_version uid={} pid={} client={} "
-        "client_version=\"{}\"",
-        caller.uid, caller.pid, theirs, attach.client_version());
+    uint64_t held_back = 0;
+    if (attach_refused_log_.Allow(caller.uid, absl::Now(), &held_back)) {
+      spdlog::warn(
+          "event=attach_refused reason=protocol_version uid={} pid={} client={} "
+          "client_version=\"{}\" earlier_not_logged={}",
+          caller.uid, caller.pid, theirs, attach.client_version(), held_back);
+    }
     out.close = true;
     out.close_reason = "protocol_version";
     return out;
@@ -297,8 +304,11 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
   extra.resume = attach.resume();
   auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid, extra);
   if (!result.ok()) {
-    spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\"", caller.uid, caller.pid,
-                 std::string(result.status().message()));
+    uint64_t held_back = 0;
+    if (attach_refused_log_.Allow(caller.uid, absl::Now(), &held_back)) {
+      spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\" earlier_not_logged={}",
+                   caller.uid, caller.pid, std::string(result.status().message()), held_back);
+    }
     SetError(out.reply, result.status());
     out.close = true;
     out.close_reason = "attach_refused";

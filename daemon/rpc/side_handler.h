@@ -3,7 +3,8 @@
 // job for the uid the kernel reported; every later request acts for that session and no other.
 // It checks what the Registry does not (the protocol version, which requests may carry a
 // descriptor, what kind of file a state descriptor is) and maps each request to the Registry or
-// the job's optimizer. It holds no state of its own, so the side server's workers share one.
+// the job's optimizer. Its only state is the two log budgets (thread-safe), so the side server's
+// workers share one.
 // Two requests need no session: `checkpoint` and `list_stores` (the stores the caller's uid
 // proved read access to; every store for tsd's own uid).
 #pragma once
@@ -14,6 +15,7 @@
 #include <cstdint>
 
 #include "daemon/jobs/registry.h"
+#include "daemon/ops/log_budget.h"
 #include "daemon/optimizer/registrar.h"
 #include "daemon/stores/store_manager.h"
 #include "proto/tsd.pb.h"
@@ -64,6 +66,10 @@ class SideHandler final {
   Registrar registrar_;
   stores::StoreManager* const stores_;
   const uid_t daemon_uid_ = geteuid();  // sees every store
+  // Refused attaches and descriptors sent with requests that take none cost a client nothing to
+  // repeat (a reconnect, a resend): their log lines are bounded per uid, like bad messages'.
+  LogBudget attach_refused_log_{20, absl::Seconds(10)};
+  LogBudget unexpected_fd_log_{20, absl::Seconds(10)};
 };
 
 }  // namespace tsd

@@ -52,6 +52,13 @@ class Malformed : public ::testing::Test {
   std::shared_ptr<tsd::Region> region_;
 };
 
+// How many lines of `log` contain `event`.
+size_t LinesWith(const std::string& log, const std::string& event) {
+  size_t lines = 0;
+  for (size_t at = log.find(event); at != std::string::npos; at = log.find(event, at + 1)) ++lines;
+  return lines;
+}
+
 TEST_F(Malformed, SizesNamesAndIds) {
   auto c = daemon_->Connect();
   ASSERT_TRUE(c->Attach("victim", 16 << 20).ok());
@@ -255,18 +262,48 @@ TEST_F(Malformed, GarbageFloodIsAnsweredButItsLogIsBounded) {
     r = raw.SendRaw("\x0a\x05junk", nullptr);
     ASSERT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << i;
   }
-  const std::string log = daemon_->log();
-  size_t lines = 0;
-  for (size_t at = log.find("event=bad_side_message"); at != std::string::npos;
-       at = log.find("event=bad_side_message", at + 1)) {
-    ++lines;
-  }
+  const size_t lines = LinesWith(daemon_->log(), "event=bad_side_message");
   EXPECT_GE(lines, 1u);
   EXPECT_LE(lines, 20u) << "500 garbage datagrams made " << lines << " log lines";
   v1::SideRequest regions;
   regions.mutable_list_regions();
   r = raw.Request(regions);
   EXPECT_EQ(r.code(), 0) << r.message();
+  ExpectBystanderFine(1 << 20);
+}
+
+// The same bound for the other two lines a client can repeat for free: a refused attach (a new
+// connection each time) and a descriptor sent with a request that takes none (closed unread).
+TEST_F(Malformed, RefusedAttachesAndStrayDescriptorsAreAnsweredButTheirLogIsBounded) {
+  RawSession raw(daemon_->socket());
+  for (int i = 0; i < 150; ++i) {
+    v1::SideReply r = raw.Attach("old-client", 0, wire::kProtocolVersion + 1);
+    ASSERT_EQ(r.code(), static_cast<int>(absl::StatusCode::kFailedPrecondition)) << i;
+    r = raw.Attach("no/slashes in job names");
+    ASSERT_EQ(r.code(), static_cast<int>(absl::StatusCode::kInvalidArgument)) << i;
+  }
+  const size_t refused = LinesWith(daemon_->log(), "event=attach_refused");
+  EXPECT_GE(refused, 1u);
+  EXPECT_LE(refused, 20u) << "300 refused attaches made " << refused << " log lines";
+
+  raw.Open("stray-fds");
+  const int fds_before = daemon_->OpenFds();
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  v1::SideRequest regions;
+  regions.mutable_list_regions();
+  for (int i = 0; i < 300; ++i) {
+    v1::SideRequest req = regions;
+    v1::SideReply r = raw.Request(std::move(req), nullptr, nullptr, pipe_fds[0]);
+    ASSERT_EQ(r.code(), 0) << i << ": " << r.message();
+  }
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
+  const size_t stray = LinesWith(daemon_->log(), "event=unexpected_fd");
+  EXPECT_GE(stray, 1u);
+  EXPECT_LE(stray, 20u) << "300 stray descriptors made " << stray << " log lines";
+  // Each was closed unread: the daemon holds no more descriptors than before.
+  EXPECT_LE(daemon_->OpenFds(), fds_before);
   ExpectBystanderFine(1 << 20);
 }
 
