@@ -1,6 +1,8 @@
 #include "daemon/cuda/device_allocation.h"
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "proto/status_macros.h"
@@ -74,11 +76,22 @@ absl::Status DeviceAllocation::Fill(const void* src, uint64_t bytes) {
     access.location.id = ordinal();
     access.flags = abi::kAccessProtReadWrite;
     status = api.Check(api.cuMemSetAccess(ptr, size_, &access, 1), "cuMemSetAccess");
-    if (status.ok()) status = api.Check(api.cuMemcpyHtoD(ptr, src, bytes), "cuMemcpyHtoD");
+    // Through a writable bounce buffer: a store's bytes are a read-only mapping of a sealed memfd,
+    // and on the H200 the driver refused those pages as the source of cuMemcpyHtoD (CUDA error 1,
+    // invalid argument), while the same copy from writable memory worked.
+    constexpr uint64_t kChunk = uint64_t{8} << 20;
+    std::unique_ptr<char[]> bounce;
+    if (status.ok() && bytes > 0) bounce.reset(new char[std::min(bytes, kChunk)]);
+    for (uint64_t at = 0; status.ok() && at < bytes; at += kChunk) {
+      const uint64_t n = std::min(kChunk, bytes - at);
+      std::memcpy(bounce.get(), static_cast<const char*>(src) + at, n);
+      status = api.Check(api.cuMemcpyHtoD(ptr + at, bounce.get(), n), "cuMemcpyHtoD");
+      // A copy from pageable memory may still read the bounce buffer when cuMemcpyHtoD returns.
+      if (status.ok()) status = api.Check(api.cuCtxSynchronize(), "cuCtxSynchronize");
+    }
     if (status.ok() && bytes < size_) {
       status = api.Check(api.cuMemsetD8(ptr + bytes, 0, size_ - bytes), "cuMemsetD8");
     }
-    // The copy from pageable memory may still be in flight when cuMemcpyHtoD returns.
     if (status.ok()) status = api.Check(api.cuCtxSynchronize(), "cuCtxSynchronize");
     api.cuMemUnmap(ptr, size_);
   }
