@@ -368,6 +368,16 @@ def decide_activation_offload(session: Session) -> None:
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
     session.act_pager = None
+    if prof.paging:
+        # The first step paged every block's activations beside every block's weights: the peak the
+        # weight planner refines from was measured so. Keeping them paged keeps that measurement true
+        # (moving them back while the planner moves weights in could overrun the budget at once).
+        chosen = [i for i, n in enumerate(prof.block_bytes) if n > 0] or list(range(len(prof.blocks)))
+        page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
+                    why=" (activation_offload=auto after the first step: it paged them beside every block's weights "
+                        "to fit a tight budget, and they stay paged so that the weight planner's measured peak holds)",
+                    min_bytes=prof.min_bytes)
+        return
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
     if session.pager is not None:  # the block planner read the step's peak and reset torch's before this

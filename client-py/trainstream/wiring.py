@@ -497,7 +497,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     if prep.paged_blocks is not None:
         page_blocks(session, model, *prep.paged_blocks)
     elif opts["activation_offload"] == "auto":
-        profile_blocks(session, model)  # the first step decides (TsdAdamW.step)
+        # The first step decides (TsdAdamW.step). When the weight planner pages every block in it
+        # (the budget is tight), that step must fit too: it pages the activations it measures.
+        tight = session.planner is not None and session.pager is not None and bool(session.pager.paged)
+        profile_blocks(session, model, page=tight)
     if session.pager is not None:
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
         if session.planner is not None and session.pager.reset_measure is not None:

@@ -301,6 +301,27 @@ def test_profiler_measures_each_block_and_changes_nothing():
     assert not prof.handles
 
 
+def test_paging_profiler_measures_the_same_and_pages_what_it_measures():
+    """page=True (a first step under a tight budget): the same measurement, every measured tensor
+    paged (a plain copy on the CPU), gradients unchanged bit for bit."""
+    from trainstream.memory import PinnedHost
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    plain = ActivationProfiler(ref, list(ref.layers), "cpu", min_bytes=1)
+    prof = ActivationProfiler(model, list(model.layers), "cpu", min_bytes=1, page=True, host=PinnedHost(pin=False))
+    plain.install()
+    prof.install()
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert prof.block_bytes == plain.block_bytes and plain.paged_tensors == 0
+    assert prof.paged_bytes == sum(prof.block_bytes) and prof.paged_tensors == 4 * 3
+    prof.remove()
+    plain.remove()
+
+
 # --------------------------------------------------------------------------- wrap() on the CPU
 def tower_of_linears():
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -420,7 +441,7 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
                                       check_memory=False, param_offload=po)
         session = trainstream.unwrap_session(model)
         try:
-            assert isinstance(session.act_pager, ActivationProfiler)
+            assert isinstance(session.act_pager, ActivationProfiler), (usable, session.events)
             session.act_pager.min_bytes = 1024
             losses = train(model, opt, data, 4)
             out[usable] = (losses, [p.detach().clone() for p in model.parameters()])

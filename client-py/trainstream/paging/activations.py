@@ -241,13 +241,17 @@ class ActivationPager:
 class ActivationProfiler(ActivationPager):
     """`activation_offload="auto"`'s first step: measures, per block, the bytes of saved
     activations the pager would page (the same choice of tensors: dense, at least `min_bytes`, not
-    weights, each once), and pages nothing. `block_bytes[i]` is block i's largest forward (one
-    micro-batch) so far. Installed and removed like the pager (it is one, that keeps every tensor)."""
+    weights, each once). `block_bytes[i]` is block i's largest forward (one micro-batch) so far.
+    Installed and removed like the pager (it is one). With `page=False` it keeps every tensor; with
+    `page=True` it also pages what it measures into `host` (a first step that must fit a tight
+    budget: the weight planner pages every block's weights in it too)."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
-                 name: Optional[str] = None, min_bytes: int = _MIN_BYTES) -> None:
-        super().__init__(model, blocks, device, min_bytes=min_bytes)
+                 name: Optional[str] = None, min_bytes: int = _MIN_BYTES, page: bool = False,
+                 host: Optional[HostMemory] = None) -> None:
+        super().__init__(model, blocks, device, min_bytes=min_bytes, host=host)
         self.name = name
+        self.paging = page
         self.block_bytes = [0] * len(self.blocks)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
@@ -276,7 +280,7 @@ class ActivationProfiler(ActivationPager):
             self._seen[key] = t
             i, n = self._running[-1]
             self._running[-1] = (i, n + t.numel() * t.element_size())
-        return t
+        return super().pack(t) if self.paging else t
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
@@ -285,12 +289,8 @@ def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list:
     session's job (what wrap(activation_offload=...) installs, and "auto" after its first step),
     tensors of at least `min_bytes`. `session` is the wrapped model's `engine.Session`; the
     decision is logged in its events."""
-    from ..memory import HostArena
-
-    session.arena = HostArena(
-        session.client, purpose="activation paging",
-        advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
-               "blocks (activation_offload=), or train with a smaller batch")
+    if session.arena is None:
+        session.arena = _arena(session)
     session.act_pager = ActivationPager(model, [block_list[i] for i in chosen], session.device, min_bytes=min_bytes,
                                         host=session.arena)
     session.act_pager.install()
@@ -302,10 +302,12 @@ def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list:
                           f"lent by tsd{why}")
 
 
-def profile_blocks(session: Any, model: nn.Module) -> None:
+def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
     """activation_offload="auto" at wrap(): on a CUDA device, installs an `ActivationProfiler` on
     the model's block stack for the first step (`TsdAdamW.step` then decides); on the CPU, or
-    without a block stack, pages nothing. Logs the decision in the session's events."""
+    without a block stack, pages nothing. `page`: the first step must fit a tight budget (the
+    weight planner pages every block in it), so the profiler pages what it measures, into a host
+    arena of the job. Logs the decision in the session's events."""
     name, blocks = find_blocks(model)
     if blocks is None:
         session.events.append("activation_offload=auto: the model has no repeated block stack (an nn.ModuleList "
@@ -315,7 +317,21 @@ def profile_blocks(session: Any, model: nn.Module) -> None:
         session.events.append("activation_offload=auto: the device is the CPU, where paging saves no VRAM; "
                               "nothing paged")
         return
-    session.act_pager = ActivationProfiler(model, list(blocks), session.device, name=name)
+    arena = _arena(session) if page else None
+    if arena is not None:
+        session.arena = arena
+    session.act_pager = ActivationProfiler(model, list(blocks), session.device, name=name, page=page, host=arena)
     session.act_pager.install()
     session.events.append(f"activation_offload=auto: measuring the saved activations of the {len(blocks)} blocks "
-                          f"of {name or 'the model'} during the first step")
+                          f"of {name or 'the model'} during the first step"
+                          + (", paging them to host memory lent by tsd (the weight planner pages every block in "
+                             "it: the budget is tight)" if page else ""))
+
+
+def _arena(session: Any) -> Any:
+    from ..memory import HostArena
+
+    return HostArena(
+        session.client, purpose="activation paging",
+        advice="Pass a larger quota= to trainstream.wrap() (or start tsd with a larger --pool-size), page fewer "
+               "blocks (activation_offload=), or train with a smaller batch")
