@@ -191,7 +191,7 @@ def test_parameters_read_by_another_module_or_outside_forward(tsd, device):
     off = run(tsd, False, device, model=base, loss_fn=parent_loss)
     on = run(tsd, True, device, model=base, loss_fn=parent_loss)
     assert_same(on, off)
-    assert any("the others at step()" in e for e in on["events"])  # `outside` and gpt.pos are not deferred
+    assert any("the others at step()" in e for e in on["events"]), on["events"]  # `outside`, gpt.pos not deferred
 
 
 def test_changing_a_parameter_while_its_update_is_owed_is_refused(tsd):
