@@ -269,6 +269,21 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     import torch
 
     cuda = a.device == "cuda"
+    history = os.environ.get("TSD_BENCH_MEMORY_HISTORY")  # a folder: the allocator's history, dumped on failure
+    if cuda and history:
+        torch.cuda.memory._record_memory_history(max_entries=300_000)
+    try:
+        _run_mode(a, cuda)
+    except BaseException:
+        if cuda and history:
+            os.makedirs(history, exist_ok=True)
+            torch.cuda.memory._dump_snapshot(os.path.join(history, f"{a.mode.replace(':', '_')}-failed.pickle"))
+        raise
+
+
+def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
+    import torch
+
     if a.cap_gib:
         torch.cuda.set_per_process_memory_fraction(a.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     t0 = time.time()
@@ -694,6 +709,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
                                        (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
             status, reason, values, raw = outcome(run)
+            if status == "failed":  # the whole traceback, for the log of the run
+                print(f"{mode} failed; the end of its output:\n" + "\n".join(
+                    (run.stderr or run.stdout).strip().splitlines()[-40:]), file=sys.stderr, flush=True)
             rec.record(mode, workload(mode, a, raw), values, status=status, reason=reason, repeat=repeat,
                        extra={"raw": raw} if raw else None)
             print("@@" + json.dumps({"mode": mode, "repeat": repeat, "status": status, **(

@@ -7,7 +7,8 @@ and once with `param_offload=True` on CUDA, records torch's allocator history du
 step (`torch.cuda.memory._record_memory_history`), and at the end of that step's forward (where
 the peak is: every activation saved, backward not started) prints the live allocations of each
 run grouped by the Python frame that made them, largest first, and the frames whose bytes differ
-between the two runs. It asserts nothing; its output names what holds the memory.
+between the two runs (`--whole-run`: recorded from the first step, so the peak is the whole run's).
+It asserts nothing; its output names what holds the memory.
 
     TSD_BIN=build/bin/tsd python3 bench/paging_memory_trace.py [--layers 8 --d 256 --batch 8]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pickle
 import sys
 import tempfile
 from typing import Any
@@ -73,7 +75,7 @@ def live_at_peak(snapshot: dict[str, Any], device: int = 0) -> tuple[int, collec
     return best, out
 
 
-def run(socket: str, param_offload: Any, a: argparse.Namespace
+def run(socket: str, name: str, param_offload: Any, a: argparse.Namespace
         ) -> tuple[collections.Counter[str], dict[str, float], collections.Counter[str]]:
     import torch
     import trainstream
@@ -91,7 +93,7 @@ def run(socket: str, param_offload: Any, a: argparse.Namespace
     try:
         for i, t in enumerate(data):
             last = i == len(data) - 1
-            if last:
+            if i == (0 if a.whole_run else len(data) - 1):  # where recording starts
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 figures["before_step_mib"] = torch.cuda.memory_allocated() / 2**20
@@ -108,7 +110,12 @@ def run(socket: str, param_offload: Any, a: argparse.Namespace
             if last:
                 torch.cuda.synchronize()
                 figures["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-                growth, at_peak = live_at_peak(torch.cuda.memory._snapshot())
+                snapshot = torch.cuda.memory._snapshot()
+                growth, at_peak = live_at_peak(snapshot)
+                if a.dump:
+                    os.makedirs(a.dump, exist_ok=True)
+                    with open(os.path.join(a.dump, f"{name}.pickle"), "wb") as f:
+                        pickle.dump(snapshot, f)
                 figures["peak_growth_mib"] = growth / 2**20
                 torch.cuda.memory._record_memory_history(enabled=None)
     finally:
@@ -126,6 +133,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--autocast", action="store_true", help="run forward under torch.autocast(bfloat16)")
     ap.add_argument("--bf16-weights", action="store_true", help="wrap(param_dtype=torch.bfloat16)")
+    ap.add_argument("--whole-run", action="store_true",
+                    help="record from the first step on (the peak over every step, not the last one's)")
+    ap.add_argument("--dump", metavar="DIR", help="also write each run's allocator snapshot (with its event "
+                    "history) to DIR/unpaged.pickle and DIR/paged.pickle, for torch's memory_viz")
     a = ap.parse_args()
     import torch
 
@@ -134,7 +145,7 @@ def main() -> None:
     binary = os.environ.get("TSD_BIN", os.path.join(os.path.dirname(HERE), "build", "bin", "tsd"))
     daemon, socket = benchlib.start_tsd(binary, tempfile.mkdtemp(prefix="tsd-trace-"), "4GiB")
     try:
-        results = {name: run(socket, po, a) for name, po in (("unpaged", False), ("paged", True))}
+        results = {name: run(socket, name, po, a) for name, po in (("unpaged", False), ("paged", True))}
     finally:
         daemon.terminate()
         daemon.wait()
