@@ -76,9 +76,9 @@ absl::Status DeviceAllocation::Fill(const void* src, uint64_t bytes) {
     access.location.id = ordinal();
     access.flags = abi::kAccessProtReadWrite;
     status = api.Check(api.cuMemSetAccess(ptr, size_, &access, 1), "cuMemSetAccess");
-    // Through a writable bounce buffer: a store's bytes are a read-only mapping of a sealed memfd,
-    // and on the H200 the driver refused those pages as the source of cuMemcpyHtoD (CUDA error 1,
-    // invalid argument), while the same copy from writable memory worked.
+    // Through a writable bounce buffer, in 8 MiB chunks: the source is a read-only mapping of a
+    // sealed memfd (a store's bytes), which the driver is never asked to pin or register, and each
+    // pageable copy stays bounded.
     constexpr uint64_t kChunk = uint64_t{8} << 20;
     std::unique_ptr<char[]> bounce;
     if (status.ok() && bytes > 0) bounce.reset(new char[std::min(bytes, kChunk)]);

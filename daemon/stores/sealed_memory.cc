@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "proto/status_macros.h"
 #include "proto/wire.h"
 
 namespace tsd::stores {
@@ -68,6 +69,20 @@ absl::Status SealedMemory::Seal(bool lock) {
     }
   }
   return absl::OkStatus();
+}
+
+SealedMemory::View::~View() { munmap(const_cast<uint8_t*>(data_), bytes_); }
+
+absl::StatusOr<std::unique_ptr<SealedMemory::View>> SealedMemory::MapReadOnly() const {
+  TSD_ASSIGN_OR_RETURN(const int fd, OpenReadOnly());
+  void* p = mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mapping a store's ", wire::FormatBytes(bytes_),
+                     " to read them failed: ", std::strerror(errno)));
+  }
+  return std::make_unique<View>(static_cast<const uint8_t*>(p), bytes_);
 }
 
 absl::StatusOr<int> SealedMemory::OpenReadOnly() const {

@@ -35,6 +35,22 @@ class SealedMemory final {
   // A new read-only descriptor of the sealed memfd (O_RDONLY, close-on-exec); the caller owns it.
   absl::StatusOr<int> OpenReadOnly() const;
 
+  // A read-only mapping of the sealed bytes for the daemon's own reads (a device copy's source):
+  // unmapped when the view goes. `data()` above is null once sealed.
+  class View {
+   public:
+    View(const uint8_t* data, uint64_t bytes) : data_(data), bytes_(bytes) {}
+    ~View();
+    View(const View&) = delete;
+    View& operator=(const View&) = delete;
+    const uint8_t* data() const { return data_; }
+
+   private:
+    const uint8_t* data_;
+    uint64_t bytes_;
+  };
+  absl::StatusOr<std::unique_ptr<View>> MapReadOnly() const;
+
  private:
   explicit SealedMemory(uint64_t bytes) : bytes_(bytes) {}
 

@@ -439,7 +439,9 @@ absl::StatusOr<OpenedDeviceCopy> StoreManager::OpenDeviceCopy(const StoreUser& u
     }
     store = it->second;  // keeps its host memory while the copy is made
   }
-  return device_copies_.Open(id, UserKey(user), store->memory->data(), store->bytes, gpu_uuid);
+  // The store is sealed: its bytes are read through a read-only mapping made for this call.
+  TSD_ASSIGN_OR_RETURN(auto view, store->memory->MapReadOnly());
+  return device_copies_.Open(id, UserKey(user), view->data(), store->bytes, gpu_uuid);
 }
 
 void StoreManager::UserReleased(const StoreUser& user) {
