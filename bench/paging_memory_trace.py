@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import pickle
 import sys
@@ -81,6 +82,8 @@ def run(socket: str, name: str, param_offload: Any, a: argparse.Namespace
     import trainstream
     from gpt import batches, loss_of, make_gpt
 
+    gc.collect()  # the other run's model may still be alive in a reference cycle: not in this run's figures
+    torch.cuda.synchronize()
     model = make_gpt(0, layers=a.layers, d=a.d, seq=a.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = trainstream.wrap(model, opt, device="cuda", socket=socket, offload=True,

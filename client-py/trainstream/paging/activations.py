@@ -75,7 +75,8 @@ class _Page:
 def find_blocks(model: nn.Module) -> tuple[Optional[str], Optional[nn.ModuleList]]:
     """The model's repeated block stack: its largest nn.ModuleList by parameter count (the
     `layers` of a Hugging Face decoder, the `blocks` of a GPT). Returns (name, ModuleList) or
-    (None, None)."""
+    (None, None). Counts the parameters' elements where they are: a block whose weights a
+    WeightPager paged counts 0 (ask the pager for its stack then)."""
     best, best_name, best_n = None, None, 0
     for name, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) > 1:
@@ -308,7 +309,12 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
     without a block stack, pages nothing. `page`: the first step must fit a tight budget (the
     weight planner pages every block in it), so the profiler pages what it measures, into a host
     arena of the job. Logs the decision in the session's events."""
-    name, blocks = find_blocks(model)
+    weights = getattr(session, "pager", None)
+    if weights is not None:
+        # The weight pager's stack: find_blocks counts parameters, and a paged block's are empty now.
+        name, blocks = weights.name, [b.module for b in weights.blocks]
+    else:
+        name, blocks = find_blocks(model)
     if blocks is None:
         session.events.append("activation_offload=auto: the model has no repeated block stack (an nn.ModuleList "
                               "of blocks); nothing paged")
