@@ -310,11 +310,13 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
     weight planner pages every block in it), so the profiler pages what it measures, into a host
     arena of the job. Logs the decision in the session's events."""
     weights = getattr(session, "pager", None)
+    blocks: Optional[list[nn.Module]]
     if weights is not None:
         # The weight pager's stack: find_blocks counts parameters, and a paged block's are empty now.
         name, blocks = weights.name, [b.module for b in weights.blocks]
     else:
-        name, blocks = find_blocks(model)
+        name, stack = find_blocks(model)
+        blocks = list(stack) if stack is not None else None
     if blocks is None:
         session.events.append("activation_offload=auto: the model has no repeated block stack (an nn.ModuleList "
                               "of blocks); nothing paged")

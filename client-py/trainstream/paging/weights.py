@@ -483,13 +483,27 @@ class WeightPager:
         need = self.paged_bytes
         target = self.device
         if self.cuda and need:
-            free, _ = torch.cuda.mem_get_info(self.device)
+            # What this process may still take: the device's free memory, under any per-process cap
+            # (set_per_process_memory_fraction, which mem_get_info does not see), plus what torch's
+            # allocator holds unused.
+            from ..planner import measure_device
+            free = int(measure_device(self.device).vram_free or 0)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             if need > 0.9 * free:
                 target = torch.device("cpu")
                 warnings.warn(f"trainstream: the paged blocks' weights ({format_bytes(need)}) do not fit in the free "
                               f"memory of {self.device} ({format_bytes(free)}): unwrap() gives them back on the CPU")
         for b in self.blocks:
-            if b.paged:
+            if not b.paged:
+                continue
+            try:
+                self._bring_back(b, target)
+            except torch.OutOfMemoryError:
+                if target.type == "cpu":
+                    raise
+                target = torch.device("cpu")  # this block and the rest: the device is full after all
+                warnings.warn(f"trainstream: {self.device} ran out of memory while unwrap() brought the paged blocks "
+                              f"back; block {b.index} and the ones after it are given back on the CPU")
                 self._bring_back(b, target)
         if self.arena is not None:
             self.arena.close()
