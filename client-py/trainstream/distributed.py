@@ -40,6 +40,9 @@ __all__ = ["DataParallel", "check_option", "enabled"]
 
 _T = TypeVar("_T")
 
+# The gradients of a step cross the group in chunks of about this many bytes (one host buffer).
+REDUCE_CHUNK_BYTES = 64 << 20
+
 # wrap() options that do not work with distributed= yet, and the values they must keep.
 _UNSUPPORTED = {"overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
 
@@ -108,6 +111,7 @@ class DataParallel:
         self.cross_group: Any = None
         # Several nodes: every this many steps the nodes compare a checksum of their tsd's masters.
         self.check_every = 100
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # host staging of the reductions, by dtype
 
     # ---- set-up
     @classmethod
@@ -366,13 +370,44 @@ class DataParallel:
                            f"checkpoint")
 
     def _reduce(self, session: Any, buckets: list[int], dtype: torch.dtype, owner: int) -> None:
-        """Sums the buckets' gradients (one flat buffer) onto the owning rank of each node,
-        averages them over the world, and has the owner deliver each to tsd."""
+        """Sums the buckets' gradients onto the owning rank of each node, averages them over the
+        world, and has the owner deliver each to tsd: in chunks of about `REDUCE_CHUNK_BYTES`
+        (a larger bucket is a chunk of its own), through one host buffer reused for every chunk,
+        so a rank's host memory for the reduction is bounded by a chunk, not its share of the model."""
+        params = session.params
+        limit = max(1, REDUCE_CHUNK_BYTES // dtype.itemsize)
+        chunk: list[int] = []
+        size = 0
+        for b in buckets:
+            n = params[b].param.numel()
+            if chunk and size + n > limit:
+                self._reduce_chunk(session, chunk, dtype, owner, size)
+                chunk, size = [], 0
+            chunk.append(b)
+            size += n
+        if chunk:
+            self._reduce_chunk(session, chunk, dtype, owner, size)
+
+    def _staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A host buffer of at least `numel` elements of `dtype`, kept for the next step."""
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._buffers[dtype] = buf
+        return buf[:numel]
+
+    def _reduce_chunk(self, session: Any, buckets: list[int], dtype: torch.dtype, owner: int, numel: int) -> None:
         dist = _dist()
         params = session.params
-        flat = torch.cat([(ps.param.grad.detach().reshape(-1).to("cpu", dtype) if ps.param.grad is not None
-                           else torch.zeros(ps.param.numel(), dtype=dtype))
-                          for ps in (params[b] for b in buckets)])
+        flat = self._staging(dtype, numel)
+        offset = 0
+        for ps in (params[b] for b in buckets):
+            n = ps.param.numel()
+            if ps.param.grad is not None:
+                flat[offset:offset + n].copy_(ps.param.grad.detach().reshape(-1))
+            else:
+                flat[offset:offset + n].zero_()
+            offset += n
         if len(self.nodes) == 1:
             dist.reduce(flat, dst=self.local[owner], group=self.group)
         else:

@@ -5,6 +5,7 @@ data, results as JSON in OUT_DIR/rank<R>.json.
 Modes:
   parity  20 fp32 steps with clipping and accumulation; records both models' parameters' largest
           difference and, on rank 0, tsd's view of the job (sessions, used_bytes) before unwrap.
+          `parity-chunked`: the same with the gradients reduced in 512-byte chunks.
   kill    the last rank kills itself (SIGKILL) after the backward of step 3; the others record the
           error their step() raised and how long it took.
   kill-in-tsd  the same, but the last rank dies inside step() 3, after the gradients' reductions and
@@ -279,7 +280,10 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
     out: dict[str, Any] = {"rank": rank}
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-        if mode == "parity":
+        if mode in ("parity", "parity-chunked"):
+            if mode == "parity-chunked":  # many reduction chunks: biases share one, a weight is one alone
+                import trainstream.distributed
+                trainstream.distributed.REDUCE_CHUNK_BYTES = 512
             ref = reference(rank, device)
             got = trained(rank, sockets[rank], device, out, out_dir)
             out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
@@ -297,6 +301,6 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode not in ("parity", "kept-resume", "kept-resume-noclip"):
+    if mode not in ("parity", "parity-chunked", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()
