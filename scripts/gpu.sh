@@ -10,7 +10,8 @@
 #              against the machine's torch (into /tmp/tspy, linking the same build)
 #   kernels    the CUDA quantization suite, the dequantize bench, and bitsandbytes beside tsd
 #              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
-#   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt)
+#   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt);
+#              `pytest --cuda-tests tests/python` runs every test that a CPU machine skips for want of CUDA
 #   peers      installs the carried peer wheels (DeepSpeed, torchao) into /tmp/site
 #   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
 #   python     a script with its arguments, against that tsd and extension (e.g.

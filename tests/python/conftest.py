@@ -12,6 +12,22 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cuda-tests", action="store_true",
+                     help="run only the tests that need CUDA (those with a skipif whose reason names CUDA): the "
+                          "GPU machine's selection, the same set that is skipped on a CPU machine")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--cuda-tests"):
+        return
+    def needs_cuda(item):
+        return any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    keep = [i for i in items if needs_cuda(i)]
+    config.hook.pytest_deselected(items=[i for i in items if not needs_cuda(i)])
+    items[:] = keep
+
+
 def _metrics_off(binary):
     """Turns the daemon's metrics endpoint off where it has one (its port is one per machine)."""
     helptext = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
