@@ -271,7 +271,9 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     cuda = a.device == "cuda"
     history = os.environ.get("TSD_BENCH_MEMORY_HISTORY")  # a folder: the allocator's history, dumped on failure
     if cuda and history:
-        torch.cuda.memory._record_memory_history(max_entries=300_000)
+        # Python frames only, and a bounded history: the snapshot of a 14B run with C++ frames was
+        # too large to bring back from the GPU machine.
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
     try:
         _run_mode(a, cuda)
     except BaseException:
@@ -711,7 +713,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             status, reason, values, raw = outcome(run)
             if status == "failed":  # the whole traceback, for the log of the run
                 print(f"{mode} failed; the end of its output:\n" + "\n".join(
-                    (run.stderr or run.stdout).strip().splitlines()[-40:]), file=sys.stderr, flush=True)
+                    (run.stderr or run.stdout).strip().splitlines()[-150:]), file=sys.stderr, flush=True)
             rec.record(mode, workload(mode, a, raw), values, status=status, reason=reason, repeat=repeat,
                        extra={"raw": raw} if raw else None)
             print("@@" + json.dumps({"mode": mode, "repeat": repeat, "status": status, **(
