@@ -184,12 +184,15 @@ def parent_loss(model, t):
     return loss_of(model, t) * model.outside.squeeze()  # `outside` is read outside every forward
 
 
+@pytest.mark.parametrize("act", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_parameters_read_by_another_module_or_outside_forward(tsd, device):
+def test_parameters_read_by_another_module_or_outside_forward(tsd, device, act):
+    """`act`: with activation paging (on CUDA, activation_offload="auto" installs its profiler by
+    default), whose block pre-hooks look at every parameter: that look is not a use."""
     torch.manual_seed(3)
     base = ParentReads()
-    off = run(tsd, False, device, model=base, loss_fn=parent_loss)
-    on = run(tsd, True, device, model=base, loss_fn=parent_loss)
+    off = run(tsd, False, device, model=base, loss_fn=parent_loss, activation_offload=act)
+    on = run(tsd, True, device, model=base, loss_fn=parent_loss, activation_offload=act)
     assert_same(on, off)
     assert any("the others at step()" in e for e in on["events"]), on["events"]  # `outside`, gpt.pos not deferred
 

@@ -154,9 +154,12 @@ class ActivationPager:
         if not torch.is_grad_enabled():
             self.hook_ctx.append(None)
             return
-        # Parameters can be replaced between steps (param_dtype=, .to()): look at them each time.
-        self.keep_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self.keep_shapes = {tuple(p.shape) for p in self.model.parameters()}
+        # Parameters can be replaced between steps (param_dtype=, .to()): look at them each time,
+        # with torch functions off: a look is not a use (overlap_forward's ForwardOrder records
+        # uses through a TorchFunctionMode, and would put every parameter into this block).
+        with torch._C.DisableTorchFunction():
+            self.keep_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self.keep_shapes = {tuple(p.shape) for p in self.model.parameters()}
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self.hook_ctx.append(ctx)
