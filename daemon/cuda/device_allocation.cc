@@ -1,8 +1,6 @@
 #include "daemon/cuda/device_allocation.h"
 
 #include <algorithm>
-#include <cstring>
-#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "proto/status_macros.h"
@@ -76,22 +74,12 @@ absl::Status DeviceAllocation::Fill(const void* src, uint64_t bytes) {
     access.location.id = ordinal();
     access.flags = abi::kAccessProtReadWrite;
     status = api.Check(api.cuMemSetAccess(ptr, size_, &access, 1), "cuMemSetAccess");
-    // Through a writable bounce buffer, in 8 MiB chunks: the source is a read-only mapping of a
-    // sealed memfd (a store's bytes), which the driver is never asked to pin or register, and each
-    // pageable copy stays bounded.
-    constexpr uint64_t kChunk = uint64_t{8} << 20;
-    std::unique_ptr<char[]> bounce;
-    if (status.ok() && bytes > 0) bounce.reset(new char[std::min(bytes, kChunk)]);
-    for (uint64_t at = 0; status.ok() && at < bytes; at += kChunk) {
-      const uint64_t n = std::min(kChunk, bytes - at);
-      std::memcpy(bounce.get(), static_cast<const char*>(src) + at, n);
-      status = api.Check(api.cuMemcpyHtoD(ptr + at, bounce.get(), n), "cuMemcpyHtoD");
-      // A copy from pageable memory may still read the bounce buffer when cuMemcpyHtoD returns.
-      if (status.ok()) status = api.Check(api.cuCtxSynchronize(), "cuCtxSynchronize");
-    }
+    // `src` may be a read-only mapping (a sealed store's): a host-to-device copy only reads it.
+    if (status.ok()) status = api.Check(api.cuMemcpyHtoD(ptr, src, bytes), "cuMemcpyHtoD");
     if (status.ok() && bytes < size_) {
       status = api.Check(api.cuMemsetD8(ptr + bytes, 0, size_ - bytes), "cuMemsetD8");
     }
+    // The copy from pageable memory may still be in flight when cuMemcpyHtoD returns.
     if (status.ok()) status = api.Check(api.cuCtxSynchronize(), "cuCtxSynchronize");
     api.cuMemUnmap(ptr, size_);
   }

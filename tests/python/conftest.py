@@ -21,10 +21,11 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--cuda-tests"):
         return
-    def needs_cuda(item):
-        return any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
-    keep = [i for i in items if needs_cuda(i)]
-    config.hook.pytest_deselected(items=[i for i in items if not needs_cuda(i)])
+    keep, drop = [], []
+    for item in items:
+        cuda = any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        (keep if cuda else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
     items[:] = keep
 
 
