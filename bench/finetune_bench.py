@@ -61,6 +61,7 @@ import argparse
 import importlib.util
 import json
 import os
+import pickle
 import re
 import runpy
 import subprocess
@@ -277,10 +278,27 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
     try:
         _run_mode(a, cuda)
     except BaseException:
+        # Where it failed and what tsd's planner had decided by then, then (with a history) what
+        # held the device's memory: the parent prints the end of this output.
+        print(f"{a.mode} failed at step {_PROGRESS['step']} ({_PROGRESS['phase']}); the session's events:",
+              file=sys.stderr)
+        for e in list(getattr(_PROGRESS["session"], "events", []) or [])[-30:]:
+            print(f"  {e}", file=sys.stderr)
         if cuda and history:
+            import memory_summary
+
             os.makedirs(history, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(os.path.join(history, f"{a.mode.replace(':', '_')}-failed.pickle"))
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with open(os.path.join(history, f"{a.mode.replace(':', '_')}-failed.pickle"), "wb") as f:
+                pickle.dump(snapshot, f)
+            print(memory_summary.summarize(snapshot, top=30, trace=25, depth=3), file=sys.stderr)
+        sys.stderr.flush()
         raise
+
+
+# Where the running mode is (step, phase, its session), for the report of a failure.
+_PROGRESS: dict[str, Any] = {"step": 0, "phase": "setup", "session": None}
 
 
 def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
@@ -310,6 +328,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
                                       max_grad_norm=a.clip or None, overlap_forward=a.overlap == "on",
                                       optimizer_gpu_fraction=option_value(a.gpu_fraction))
         session = trainstream.unwrap_session(model)
+        _PROGRESS["session"] = session
         clip = None
     else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
         opt = stock_opt
@@ -326,7 +345,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    for _ in range(a.steps):
+    for step in range(a.steps):
+        _PROGRESS.update(step=step + 1, phase="forward")
         sync()
         t = time.perf_counter()
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
@@ -340,10 +360,12 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         if cuda:
             ev[1].record()
         tb = time.perf_counter()
+        _PROGRESS["phase"] = "backward"
         loss.backward()
         if cuda:
             ev[2].record()
         ts = time.perf_counter()
+        _PROGRESS["phase"] = "optimizer step"
         if clip is not None:
             clip()
         opt.step()
@@ -405,6 +427,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if session is not None:
         import trainstream
 
+        _PROGRESS["phase"] = "unwrap"
         trainstream.unwrap(model)
 
 

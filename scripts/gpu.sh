@@ -5,8 +5,9 @@
 #
 #   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...] [python SCRIPT ARGS...]
 #
-#   build [min]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into /tmp/bg;
-#              `min`: only tsd, tsctl, libtsclient and libtsd_quant), and the Python extension
+#   build [min [TARGET...]]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into
+#              /tmp/bg; `min`: only tsd, tsctl, libtsclient and libtsd_quant, and the TARGETs named
+#              after it, e.g. `build min tsd_unit_tests`), and the Python extension
 #              against the machine's torch (into /tmp/tspy, linking the same build)
 #   kernels    the CUDA quantization suite, the dequantize bench, and bitsandbytes beside tsd
 #              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
@@ -34,7 +35,10 @@ stage_build() {
   local t0=$SECONDS
   cmake -S . -B /tmp/bg -G Ninja -DCMAKE_BUILD_TYPE=Release >/tmp/cmake.log 2>&1 || { tail -50 /tmp/cmake.log; return 1; }
   local targets=()
-  [ "${1:-}" = min ] && targets=(--target tsd tsctl tsclient tsd_quant)
+  if [ "${1:-}" = min ]; then
+    shift
+    targets=(--target tsd tsctl tsclient tsd_quant "$@")
+  fi
   cmake --build /tmp/bg -j16 "${targets[@]}" >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
   rm -rf /tmp/tspy  # pip --target keeps what is there
   TSD_PY_BUILD_DIR=/tmp/bg TSD_BUILD_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps \

@@ -1,6 +1,7 @@
 """Each example in examples/ runs on the CPU with tiny settings against a real tsd, as a user would
 start it (a subprocess), exits 0 and prints PASS with what it checked; bad arguments are refused
-with what to do. On a GPU machine the examples pick CUDA by themselves; these runs pin the CPU."""
+with what to do. On a GPU machine the examples pick CUDA by themselves; these runs pin the CPU,
+and `test_examples_on_cuda` runs each on the GPU (skipped without one)."""
 from __future__ import annotations
 
 import os
@@ -8,17 +9,21 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
 
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def run(tsd, name: str, *args: str, socket: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+def run(tsd, name: str, *args: str, socket: bool = True, timeout: int = 600,
+        cuda: bool = False) -> subprocess.CompletedProcess:
     import trainstream
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(trainstream.__file__)))  # the package the tests import
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TRAINSTREAM_PROGRESS="0")
+               OMP_NUM_THREADS="1", TRAINSTREAM_PROGRESS="0")
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, os.path.join(EXAMPLES, name), *args, *(["--socket", tsd.socket] if socket else [])]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -81,4 +86,33 @@ def test_hf_finetune_compares_with_the_stock_trainer(tsd):
 
 def test_finetune_tiny_the_main_job(tsd):
     r = run(tsd, "finetune_tiny.py", "--device", "cpu", "--steps", "4")
+    assert r.returncode == 0 and "finetune_tiny: OK" in r.stdout, r.stdout + r.stderr
+
+
+# Each example on the GPU, with what its output must say there.
+ON_CUDA = [
+    ("train_bigger_than_vram.py", ["--device", "cuda"],
+     ["are larger than the VRAM cap", "PASS: the loss falls", "stays under the cap"]),
+    ("lora_large_model.py", ["--device", "cuda", "--compare", "--steps", "3", "--seq", "16", "--rank", "4"],
+     ["PASS: the losses equal the stock Trainer's", "PASS: only the adapters are trained in tsd"]),
+    ("lora_large_model.py", ["--device", "cuda", "--quantize", "nf4", "--prefer", "speed", "--steps", "2", "--seq",
+                             "16", "--rank", "4"], ["base: nf4 while loading", "PASS: the frozen base is unchanged"]),
+    ("verify_ram_offload.py", ["--device", "cuda"], []),
+    ("hf_finetune.py", ["--device", "cuda", "--steps", "4", "--compare"], []),
+    ("hf_finetune.py", ["--device", "cuda", "--steps", "4", "--compare", "--lora", "--bf16",
+                        "--gradient-checkpointing"], []),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+@pytest.mark.parametrize("name,args,says", ON_CUDA, ids=lambda v: v if isinstance(v, str) else None)
+def test_examples_on_cuda(tsd, name, args, says):
+    out = passed(run(tsd, name, *args, cuda=True))
+    for text in says:
+        assert text in out, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+def test_finetune_tiny_the_main_job_on_cuda(tsd):
+    r = run(tsd, "finetune_tiny.py", "--device", "cuda", "--steps", "8", cuda=True)
     assert r.returncode == 0 and "finetune_tiny: OK" in r.stdout, r.stdout + r.stderr

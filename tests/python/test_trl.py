@@ -22,6 +22,7 @@ SPECIAL = ["<pad>", "<unk>", "<s>", "</s>"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required"))
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,8 @@ def dataset(n: int = 24):
     return datasets.Dataset.from_dict({"text": texts})
 
 
-def config(out, **kw):
-    base = dict(output_dir=str(out), use_cpu=True, per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
+def config(out, device="cpu", **kw):
+    base = dict(output_dir=str(out), use_cpu=device == "cpu", per_device_train_batch_size=2, max_steps=6, learning_rate=2e-3,
                 weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no",
                 report_to=[], seed=0, disable_tqdm=True, max_grad_norm=0.1, gradient_accumulation_steps=2,
                 bf16=False, gradient_checkpointing=False, max_length=32, dataset_num_proc=None)
@@ -77,25 +78,28 @@ def grad_norms(trainer):
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("lora", [False, True])
-def test_sft_losses_equal_stock_sfttrainer(tsd, tmp_path, checkpoint, tokenizer, lora):
+def test_sft_losses_equal_stock_sfttrainer(tsd, tmp_path, checkpoint, tokenizer, lora, device):
     """6 steps with clipping (0.1 bites) and 2-step accumulation: the same losses (within 2e-4),
-    grad norms and weights as trl.SFTTrainer; with peft_config= only the adapters are in tsd."""
+    grad norms and weights as trl.SFTTrainer; with peft_config= only the adapters are in tsd. On
+    CUDA the model is passed on the CPU and the Trainer moves it (both runs)."""
     extra = {}
     if lora:
         peft = pytest.importorskip("peft")
         extra = {"peft_config": peft.LoraConfig(**LORA)}
     ref_model = load(checkpoint)
     model = copy.deepcopy(ref_model)
-    ref = trl.SFTTrainer(model=ref_model, args=config(tmp_path / "ref"), train_dataset=dataset(),
+    ref = trl.SFTTrainer(model=ref_model, args=config(tmp_path / "ref", device), train_dataset=dataset(),
                          processing_class=tokenizer, **extra)
     ref.train()
-    ts = TrainStreamSFTTrainer(model=model, args=config(tmp_path / "ts"), train_dataset=dataset(),
+    ts = TrainStreamSFTTrainer(model=model, args=config(tmp_path / "ts", device), train_dataset=dataset(),
                                processing_class=tokenizer, trainstream={"socket": tsd.socket}, **extra)
     try:
         ts.train()
         opt = ts.trainstream_optimizer
         assert opt is not None and opt.offloading  # the steps ran in tsd
+        assert next(ts.model.parameters()).device.type == device
         trained = {id(ps.param) for ps in ts.trainstream_session.params}
         names = {n for n, p in ts.model.named_parameters() if id(p) in trained}
     finally:
@@ -111,7 +115,7 @@ def test_sft_losses_equal_stock_sfttrainer(tsd, tmp_path, checkpoint, tokenizer,
     else:
         assert len(names) == sum(1 for _ in load(checkpoint).parameters())
         start = dict(load(checkpoint).named_parameters())
-        assert all(not torch.equal(p.detach(), start[n]) for n, p in ts.model.named_parameters())  # all trained
+        assert all(not torch.equal(p.detach().cpu(), start[n]) for n, p in ts.model.named_parameters())  # all trained
     ref_params = dict(ref.model.named_parameters())
     diff = max((p.detach() - ref_params[n].detach()).abs().max().item() for n, p in ts.model.named_parameters())
     assert diff < 1e-5
