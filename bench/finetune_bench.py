@@ -20,7 +20,9 @@ Modes, each run in its own process so peaks do not mix:
               FSDP2 + CPUOffloadPolicy, stock LoRA)
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
-A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped, in the same run).
+A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped, in the same run);
+MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry (variants
+chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.
 --param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
 (wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
 tensor at a time) and handed to wrap() there, as a model bigger than the card would be.
@@ -523,9 +525,29 @@ def run_capped() -> None:
 
 
 def base_mode(mode: str) -> tuple[str, bool]:
-    """(the mode, whether it runs uncapped) of a --modes entry: MODE or MODE:uncapped."""
-    name, _, variant = mode.partition(":")
-    return name, variant == "uncapped"
+    """(the mode, whether it runs uncapped) of a --modes entry (see `mode_settings`)."""
+    name, *variants = mode.split(":")
+    return name, "uncapped" in variants
+
+
+def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """The mode of a --modes entry and the settings it runs with: MODE, then any of :uncapped
+    (no --cap-gib), :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), e.g.
+    tsd_bf16_act:overlap=off beside tsd_bf16_act in one run. Raises ValueError for anything else."""
+    name, *variants = mode.split(":")
+    over: dict[str, Any] = {}
+    for v in variants:
+        key, eq, value = v.partition("=")
+        if key == "uncapped" and not eq:
+            over["cap_gib"] = 0
+        elif key == "overlap" and value in ("on", "off"):
+            over["overlap"] = value
+        elif key == "gpu" and eq:
+            option_value(value)  # a number or auto
+            over["gpu_fraction"] = value
+        else:
+            raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, overlap=on|off, gpu=F|auto)")
+    return name, argparse.Namespace(**{**vars(a), **over})
 
 
 def option_value(text: Any) -> Any:
@@ -539,9 +561,7 @@ def option_value(text: Any) -> Any:
 
 
 def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
-    mode, uncapped = base_mode(mode)
-    if uncapped:
-        a = argparse.Namespace(**{**vars(a), "cap_gib": 0})
+    mode, a = mode_settings(mode, a)
     common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
     clip = ["--clip", str(a.clip)] if a.clip else []
     if mode in PEER_MODES:
@@ -562,9 +582,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
 
 
 def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str, Any]:
-    mode, uncapped = base_mode(mode)
-    if uncapped:
-        a = argparse.Namespace(**{**vars(a), "cap_gib": 0})
+    mode, a = mode_settings(mode, a)
     w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
                          "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
                          "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {})}
@@ -677,6 +695,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     bad = [m for m in modes + sorted(once) if base_mode(m)[0] not in ALL_MODES]
     if a.mode is None and bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
+    for m in modes + sorted(once):
+        try:
+            mode_settings(m, a)
+        except ValueError as e:
+            ap.error(str(e))
     if not modes or a.repeats < 1 or a.steps < 1 or a.batch < 1 or a.seq < 2:
         ap.error("need at least one mode, --repeats >= 1, --steps >= 1, --batch >= 1 and --seq >= 2")
     if a.loader_workers < 0 or a.stream_mib < 1:
