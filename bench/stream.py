@@ -25,11 +25,13 @@ def host_bytes_per_param(grad_bytes: int, param_bytes: int, moment_bytes: int, c
     of master and moments, the gradient read, the parameter write), `clip` (the second read of the
     gradient for the norm), `pcie` (the gradient's D2H copy lands in host memory, the parameter's
     H2D copy reads it) and their `total`. E.g. bf16 gradients and parameters: 28 + 4 with fp32
-    moments, 20 + 4 with bf16 ones (the figures of issue 14)."""
+    moments, 20 + 4 with bf16 ones (the figures of issue 14). fp32 parameters are their masters
+    in tsd, so the update writes no parameter copy: fp32 everything is 28 + 8, not 32 + 8."""
     for name, v in (("grad_bytes", grad_bytes), ("param_bytes", param_bytes), ("moment_bytes", moment_bytes)):
         if v not in (2, 4):
             raise ValueError(f"{name} must be 2 or 4 (a 16- or 32-bit dtype), not {v!r}")
-    adamw = 2 * (MASTER_BYTES + 2 * moment_bytes) + grad_bytes + param_bytes
+    # fp32 parameters are their masters in tsd (docs/optimizer.md): the update writes no copy.
+    adamw = 2 * (MASTER_BYTES + 2 * moment_bytes) + grad_bytes + (param_bytes if param_bytes != MASTER_BYTES else 0)
     clip_read = grad_bytes if clip else 0
     pcie = grad_bytes + param_bytes
     return {"adamw": adamw, "clip": clip_read, "pcie": pcie, "total": adamw + clip_read + pcie}

@@ -676,6 +676,10 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::Register(const OptimizerSpec&
                                                                    {"opt/grads", &opt->grads_},
                                                                    {"opt/params", &opt->params_}};
   for (const auto& [name, slot] : maps) {
+    if (slot == &opt->params_ && resp.params_in_master()) {
+      opt->params_ = opt->master_;  // fp32 parameters: their slots are the masters
+      continue;
+    }
     auto r = Map(name);
     if (!r.ok()) return r.status();
     *slot = *r;
@@ -733,6 +737,7 @@ absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec)
   out.grad_bytes = r.grad_bytes();
   out.param_bytes = r.param_bytes();
   out.accum_bytes = r.accum_bytes();
+  out.params_in_master = r.params_in_master();
   return out;
 }
 

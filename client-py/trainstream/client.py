@@ -78,6 +78,8 @@ class OptimizerLayout:
         out = [("fp32 master weights", self.master_bytes), (f"{moment_dtype} moments", 2 * self.moment_bytes),
                ("gradient slots", self.grad_bytes), ("parameter slots", self.param_bytes),
                ("control page", self.control_bytes)]
+        if self.param_bytes == 0:  # fp32 parameters: their slots are the masters
+            out = [p for p in out if p[0] != "parameter slots"]
         if self.accum_bytes:
             out.append(("fp32 accumulator", self.accum_bytes))
         return out

@@ -64,6 +64,9 @@ struct OptimizerPlan {
   int numa_node = -1;
   uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
            accum_bytes = 0;
+  // Every bucket's parameters are fp32: their slots are the masters themselves (param_offset ==
+  // master_offset, param_bytes 0, no "opt/params" region), and an update writes no copy.
+  bool params_in_master = false;
   uint64_t total_bytes() const {
     return control_bytes + master_bytes + 2 * moment_bytes + grad_bytes + param_bytes + accum_bytes;
   }

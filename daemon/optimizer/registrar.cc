@@ -107,6 +107,7 @@ v1::RegisterOptimizerResponse Registrar::LayoutResponse(const OptimizerPlan& lay
     l->set_param_offset(b.param_offset);
   }
   resp.set_state_bytes(layout.total_bytes());
+  resp.set_params_in_master(layout.params_in_master);
   resp.set_isa(kernels::IsaName(options.isa));
   resp.set_threads(static_cast<uint32_t>(options.pool->threads()));
   return resp;

@@ -135,6 +135,7 @@ grpc::Status TsdService::PlanOptimizer(grpc::ServerContext*,
   resp->set_grad_bytes(plan->grad_bytes);
   resp->set_param_bytes(plan->param_bytes);
   resp->set_accum_bytes(plan->accum_bytes);
+  resp->set_params_in_master(plan->params_in_master);
   return grpc::Status::OK;
 }
 

@@ -8,6 +8,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <string>
+#include <vector>
+
+#include "daemon/optimizer/job_optimizer.h"
 #include "daemon/optimizer/worker_pool.h"
 
 namespace tsd {
@@ -31,7 +35,7 @@ class RegistrarTest : public ::testing::Test {
       auto* bucket = request_.add_buckets();
       bucket->set_numel(100000);
       bucket->set_grad_dtype(v1::F32);
-      bucket->set_param_dtype(v1::F32);
+      bucket->set_param_dtype(v1::BF16);  // fp32 parameters would be their masters: no opt/params
     }
     request_.set_accumulate(true);  // seven regions
   }
@@ -71,6 +75,41 @@ TEST_F(RegistrarTest, AFailureAfterSomeRegionsLeavesTheJobAsItWas) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(Job().used_bytes(), before.used_bytes() + again->state_bytes());
   EXPECT_EQ(Job().regions(), 8u);
+}
+
+// fp32 parameters are their masters bit for bit: no "opt/params" region, each bucket's parameter
+// slot is its master (the response says so), and the job is charged that much less.
+TEST_F(RegistrarTest, Fp32ParametersAreTheirMastersAndTakeNoRegionOfTheirOwn) {
+  const uint64_t session = Attach();
+  Registrar registrar(*registry_);
+  v1::RegisterOptimizerRequest bf16 = request_;
+  v1::RegisterOptimizerRequest fp32 = request_;
+  for (auto& b : *fp32.mutable_buckets()) b.set_param_dtype(v1::F32);
+
+  auto planned16 = JobOptimizer::Plan(bf16, 256 << 20);
+  ASSERT_TRUE(planned16.ok()) << planned16.status();
+  EXPECT_FALSE(planned16->params_in_master);
+  EXPECT_GT(planned16->param_bytes, 0u);
+
+  auto r = registrar.Register(session, fp32);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->params_in_master());
+  for (const auto& b : r->buckets()) EXPECT_EQ(b.param_offset(), b.master_offset());
+  EXPECT_EQ(Job().regions(), 6u);  // control, master, exp_avg, exp_avg_sq, grads, accum
+  EXPECT_EQ(r->state_bytes(), planned16->total_bytes() - planned16->param_bytes);
+  auto regions = registry_->ListRegions(session);
+  ASSERT_TRUE(regions.ok()) << regions.status();
+  std::vector<std::string> names;
+  for (const auto& region : *regions) names.push_back(region.name());
+  EXPECT_THAT(names, ::testing::Contains("opt/master"));
+  EXPECT_THAT(names, ::testing::Not(::testing::Contains("opt/params")));
+
+  // One bf16 bucket among fp32 ones keeps the parameter slots.
+  fp32.mutable_buckets(1)->set_param_dtype(v1::BF16);
+  auto mixed = JobOptimizer::Plan(fp32, 256 << 20);
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  EXPECT_FALSE(mixed->params_in_master);
+  EXPECT_GT(mixed->param_bytes, 0u);
 }
 
 TEST_F(RegistrarTest, TheRegisteringSessionDyingHalfWayLeavesNothingCharged) {

@@ -24,7 +24,8 @@ def test_host_bytes_per_param_follow_the_dtypes():
     assert stream.host_bytes_per_param(2, 2, 2, clip=False)["total"] == 24
     # Clipping reads each gradient once more; fp32 gradients and parameters cost twice as much.
     assert stream.host_bytes_per_param(2, 2, 4, clip=True)["total"] == 34
-    assert stream.host_bytes_per_param(4, 4, 4, clip=True) == {"adamw": 32, "clip": 4, "pcie": 8, "total": 44}
+    # fp32 parameters are their masters in tsd: no parameter write in the update
+    assert stream.host_bytes_per_param(4, 4, 4, clip=True) == {"adamw": 28, "clip": 4, "pcie": 8, "total": 40}
     with pytest.raises(ValueError, match="moment_bytes must be 2 or 4"):
         stream.host_bytes_per_param(2, 2, 8, clip=False)
 
@@ -71,11 +72,12 @@ def test_tiny_cpu_run_records_host_bytes_stream_and_loader_wait(tsd, tmp_path):
     assert run["mode"] == "tsd" and run["status"] == "ok", run.get("reason")
     assert run["workload"]["loader_workers"] == 2
     v = run["values"]
-    # fp32 weights on a CPU, fp32 moments, clipping at 1.0: 32 + 4 + 8 bytes per parameter.
-    assert v["host_bytes_per_param"] == 44
-    assert v["host_bytes_per_step"] == 44 * run["raw"]["trained_params"]
+    # fp32 weights on a CPU (their slots are their masters), fp32 moments, clipping at 1.0:
+    # 28 + 4 + 8 bytes per parameter.
+    assert v["host_bytes_per_param"] == 40
+    assert v["host_bytes_per_step"] == 40 * run["raw"]["trained_params"]
     assert v["data_wait_ms"] >= 0
-    assert re.search(r"tsd: 44 B/param, host [0-9.]+ s, GPU [0-9.]+ s, bound [0-9.]+ s, step", out.stdout), out.stdout
+    assert re.search(r"tsd: 40 B/param, host [0-9.]+ s, GPU [0-9.]+ s, bound [0-9.]+ s, step", out.stdout), out.stdout
 
 
 def test_loader_workers_must_not_be_negative():

@@ -143,6 +143,8 @@ struct OptimizerLayout {
   uint64_t state_bytes = 0;
   uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
            accum_bytes = 0;
+  // fp32 parameters: their slots are the masters (param_offset into "opt/master", param_bytes 0).
+  bool params_in_master = false;
 };
 
 class Client final {

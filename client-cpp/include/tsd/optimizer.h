@@ -97,7 +97,8 @@ class Optimizer final {
   float* master(size_t b) const;
   // The bucket's gradient slot, in its grad dtype. Write only while the bucket is idle.
   void* grad(size_t b) const;
-  // The bucket's updated parameters, in its param dtype. Valid after Wait(b).
+  // The bucket's updated parameters, in its param dtype. Valid after Wait(b). When every bucket's
+  // parameters are fp32 this is the master itself (the daemon keeps no second copy).
   const void* param(size_t b) const;
 
   // Writes group `g`'s hyperparameters for the next step's updates. Refuses (INVALID_ARGUMENT,
