@@ -121,13 +121,18 @@ class StepTimer:
         self.start = 0.0
 
 
+def checksum(p: torch.Tensor) -> float:
+    """A weight's sum in float64 on the CPU: the same values give the same sum wherever the weight
+    is (a sum on the GPU adds in another order, so it is not compared with one on the CPU)."""
+    return float(p.detach().cpu().double().sum().item())
+
+
 def run(kind: str, args: argparse.Namespace, path: str, device: str, out: str) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
     from trainstream.integrations.huggingface import TrainStreamTrainer
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = load(args, path, dtype)
-    base_before = {n: p.detach().float().sum().item() for n, p in model.named_parameters()
-                   if "lora_" not in n and p.dtype.is_floating_point}
+    base_before = {n: checksum(p) for n, p in model.named_parameters() if "lora_" not in n and p.dtype.is_floating_point}
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     targs = TrainingArguments(output_dir=out, use_cpu=device == "cpu", per_device_train_batch_size=args.batch,
                               max_steps=args.steps, learning_rate=args.lr, weight_decay=0.0, lr_scheduler_type="constant",
@@ -161,8 +166,7 @@ def run(kind: str, args: argparse.Namespace, path: str, device: str, out: str) -
     result["step_s"] = statistics.median(timer.times[1:] or timer.times) if timer.times else float("nan")
     result["peak"] = torch.cuda.max_memory_allocated() if device == "cuda" else None
     params = dict(model.named_parameters())
-    result["base_unchanged"] = all(math.isclose(params[n].detach().float().sum().item(), v, rel_tol=0, abs_tol=0)
-                                   for n, v in base_before.items() if n in params)
+    result["base_unchanged"] = all(checksum(params[n]) == v for n, v in base_before.items() if n in params)
     result["adapters_changed"] = any(not torch.equal(params[n].detach().cpu(), v.cpu()) for n, v in lora_before.items()
                                      if n in params)
     result["quantized"] = getattr(model.get_base_model(), "_ts_load_info", {}).get("quantize")
