@@ -536,8 +536,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     if session is None:
         raise ValueError("this model is not wrapped by trainstream")
     try:
+        back = _give_back_device(session, model)
         if session.pager is not None:
-            session.pager.close()  # the paged blocks' weights come back from tsd's memory first
+            session.pager.close(back)  # the paged blocks' weights come back from tsd's memory first
+        if back is not None and back != session.device:
+            model.to(back)  # what stayed on the device (embeddings, resident blocks, buffers)
         if session.offloading and session.handle is not None and not session.closed:
             try:
                 session.idle()
@@ -554,6 +557,47 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         session.closed = True
         del model._trainstream_session
     return model
+
+
+def _needed_to_give_back(session: Session, model: torch.nn.Module) -> int:
+    """The bytes the model needs on its device, beyond what it holds there now, to be given back
+    there in its own dtypes: its paged blocks' weights (brought back, then cast) and the copy in
+    its own dtype of each parameter param_dtype= cast."""
+    paged = session.pager.paged_param_bytes() if session.pager is not None and not session.pager.closed else {}
+    orig = {id(ps.param): ps.orig_dtype for ps in session.params}
+    need = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        want = orig.get(id(p), p.dtype)
+        if id(p) in paged:
+            need += paged[id(p)] * max(1, want.itemsize // p.dtype.itemsize)
+        elif p.device == session.device and want != p.dtype:
+            need += p.numel() * want.itemsize  # the working copy goes after it
+    return need
+
+
+def _give_back_device(session: Session, model: torch.nn.Module) -> Optional[torch.device]:
+    """Where unwrap() gives the model back: its device, unless what that needs
+    (`_needed_to_give_back`) does not fit in the device's free memory for this process (counting
+    any per-process cap, and what torch's allocator holds unused): then the CPU, with a warning (a
+    model passed on the CPU because it was larger than the card goes back there). None on a device
+    that is not CUDA (nothing to decide)."""
+    device = session.device
+    if device.type != "cuda":
+        return None
+    from .planner import measure_device
+
+    need = _needed_to_give_back(session, model)
+    if need == 0:
+        return device
+    free = int(measure_device(device).vram_free or 0)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if need <= 0.9 * free:
+        return device
+    warnings.warn(f"trainstream.unwrap: the model in its own dtypes needs {format_bytes(need)} more on {device}, "
+                  f"which has {format_bytes(free)} free for this process: it is given back on the CPU")
+    session.events.append(f"unwrap: the model is given back on the CPU ({format_bytes(need)} more would not fit "
+                          f"in the {format_bytes(free)} free on {device})")
+    return torch.device("cpu")
 
 
 def _give_back(ps: ParamSlots) -> None:

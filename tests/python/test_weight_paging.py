@@ -526,6 +526,34 @@ def test_param_dtype_working_copies_are_paged_into_their_slots(tsd):
     assert_same(pb, pa, "bf16 working copies paged")
 
 
+def test_unwrap_counts_what_giving_the_model_back_needs_on_its_device(tsd):
+    """What unwrap() weighs against the device's free memory before giving a model back there (on
+    CUDA it gives it back on the CPU when that does not fit: a 1.5B model passed on the CPU ran out
+    of memory under a 4 GiB cap in unwrap(), after training): the paged blocks' weights in their
+    own dtype, and the own-dtype copy of every resident parameter param_dtype= cast."""
+    from trainstream.wiring import _needed_to_give_back
+
+    model = make_gpt(0, layers=4, d=32)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu",
+                                  socket=tsd.socket, offload=True, param_offload=[0, 3],
+                                  param_dtype=torch.bfloat16)
+    s = unwrap_session(model)
+    try:
+        lm_free_train(model, opt, batches(1))
+        paged = {id(p) for i in (0, 3) for p in model.blocks[i].parameters()}
+        cast = {id(ps.param) for ps in s.params if ps.orig_dtype != ps.param.dtype}
+        shapes = {id(w.param): w.shape for b in s.pager.blocks if b.paged for w in b.weights}
+        assert set(shapes) == paged and paged <= cast  # paged blocks are empty now; their weights are cast ones
+        expect = sum(math.prod(shape) * 4 for shape in shapes.values())  # fp32, brought back
+        expect += sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()
+                      if id(p) in cast and id(p) not in paged)
+        assert _needed_to_give_back(s, model) == expect
+    finally:
+        trainstream.unwrap(model)
+    assert all(p.dtype == torch.float32 and p.numel() > 0 for p in model.parameters())
+    assert _needed_to_give_back(s, model) == 0  # given back: the pager is closed, nothing is cast
+
+
 def test_the_graph_keeps_no_weight_memory_between_forward_and_backward(tsd):
     """After forward, paged blocks hold no storage (but the last one, which backward needs first):
     the graph saved references to their weights, not the weights (an addmm saves weight.t(), a

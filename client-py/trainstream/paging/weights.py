@@ -469,9 +469,20 @@ class WeightPager:
         for i in sorted(now - paged):
             self.unpage(i)
 
-    def close(self) -> None:
-        """Brings every paged block back (to the device when they fit in its free memory, else to
-        the CPU, with a warning) and removes the hooks; the arena goes back to tsd."""
+    def paged_param_bytes(self) -> dict[int, int]:
+        """id(parameter) -> the bytes it takes on the device when its block is resident, for
+        every parameter of a paged block (quantized ones: their codes and scales)."""
+        out: dict[int, int] = {}
+        for b in self.blocks:
+            if b.paged:
+                out.update({id(w.param): w.nbytes for w in b.weights})
+                out.update({id(q.param): q.nbytes for q in b.quants})
+        return out
+
+    def close(self, target: Optional[torch.device] = None) -> None:
+        """Brings every paged block back (to `target`; by default to the device when they fit in
+        its free memory, else to the CPU, with a warning) and removes the hooks; the arena goes
+        back to tsd."""
         if self.closed:
             return
         try:
@@ -481,8 +492,9 @@ class WeightPager:
         self._remove_hooks()
         self._wanted = False
         need = self.paged_bytes
-        target = self.device
-        if self.cuda and need:
+        chosen = target is not None
+        target = target if target is not None else self.device
+        if self.cuda and need and not chosen:
             # What this process may still take: the device's free memory, under any per-process cap
             # (set_per_process_memory_fraction, which mem_get_info does not see), plus what torch's
             # allocator holds unused.
