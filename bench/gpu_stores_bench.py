@@ -232,8 +232,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "values": {"base_gib": base / gib, "one_job_vram_gib": one_job / gib, "both_vram_gib": both / gib,
                        "own_vram_gib": own / gib, "limit_vram_gib": limit / gib,
                        "second_job_added_gib": (u2 - u1) / gib, "host_job_vram_gib": (u4 - u3) / gib,
-                       "pass": both <= limit, "losses_equal": la == lb == lc,
-                       "read_only": bool(a.loaded.get("read_only")), "device_copies": len(copies)},
+                       "pass": int(both <= limit), "losses_equal": int(la == lb == lc),
+                       "read_only": int(bool(a.loaded.get("read_only"))), "device_copies": len(copies)},
             "raw": {"u": [u0, u1, u2, u3, u4], "losses": [la, lb, lc], "copies": [c.__dict__ for c in copies],
                     "access_note": a.loaded.get("access_note", "")}}
 
@@ -252,6 +252,7 @@ def main() -> int:
     ap.add_argument("--results", default=None, help="results file (default bench/results/gpu_stores.jsonl)")
     args = ap.parse_args()
     out = run(args)
+    print(json.dumps(out, indent=1, default=str), flush=True)  # the figures, whatever the recording does
     rec = benchlib.Recorder("gpu_stores", results=args.results)
     if out["status"] != "ok":
         rec.record("two_jobs_device_copy", {"layers": args.layers}, {}, status="skipped", reason=out["reason"])
