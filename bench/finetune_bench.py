@@ -410,7 +410,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
                     paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
     events = list(getattr(session, "events", []) or [])
-    print("@@" + json.dumps(dict(
+    record = dict(
         mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()), batch=a.batch, seq=a.seq,
         clip=a.clip, step_s_median=med(times), steps=times,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
@@ -424,13 +424,25 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,
-        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)),
-        flush=True)
+        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)
     if session is not None:
+        # unwrap() is part of the run (a model handed back must fit where it goes back); a failure
+        # there is reported beside the steps' figures instead of discarding them.
+        import traceback
+
         import trainstream
 
         _PROGRESS["phase"] = "unwrap"
-        trainstream.unwrap(model)
+        t_unwrap = time.time()
+        try:
+            trainstream.unwrap(model)
+            record["unwrap_s"] = time.time() - t_unwrap
+            record["unwrap_failed"] = 0
+        except Exception:
+            traceback.print_exc()
+            record["unwrap_failed"] = 1
+        record["unwrap_device"] = str(next(model.parameters()).device)
+    print("@@" + json.dumps(record), flush=True)
 
 
 class RandomTokens:
@@ -604,7 +616,7 @@ VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "
               "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",
               "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib",
               "host_bytes_per_param": "host_bytes_per_param", "host_bytes_per_step": "host_bytes_per_step",
-              "data_wait_ms": "data_wait_ms"}
+              "data_wait_ms": "data_wait_ms", "unwrap_s": "unwrap_s", "unwrap_failed": "unwrap_failed"}
 
 
 def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:

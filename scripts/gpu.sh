@@ -9,6 +9,7 @@
 #              /tmp/bg; `min`: only tsd, tsctl, libtsclient and libtsd_quant, and the TARGETs named
 #              after it, e.g. `build min tsd_unit_tests`), and the Python extension
 #              against the machine's torch (into /tmp/tspy, linking the same build)
+#   cpp [FILTER]  tsd_unit_tests' GPU and device tests (`build min tsd_unit_tests` first), $OUT/cpp_gpu.txt
 #   kernels    the CUDA quantization suite, the dequantize bench, and bitsandbytes beside tsd
 #              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
 #   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt);
@@ -29,7 +30,7 @@ source .devdeps/device-env.sh
 export TSD_BIN=/tmp/bg/bin/tsd TSD_QUANT_LIB=/tmp/bg/lib/libtsd_quant.so
 export PYTHONPATH=/tmp/tspy:/tmp/site:$PWD/.devdeps/site
 export TSD_BENCH_COMMIT=${TSD_BENCH_COMMIT:-unknown}
-STAGES=" build kernels pytest peers finetune python "
+STAGES=" build kernels cpp pytest peers finetune python "
 
 stage_build() {
   local t0=$SECONDS
@@ -53,6 +54,14 @@ stage_kernels() {
   python3 bench/dequant_bnb.py --lib /tmp/bg/lib/libtsd_quant.so "$@" |
     python3 bench/benchlib.py record-lines --benchmark dequant --results "$OUT/dequant.jsonl" \
       --command "$cmd" --mode-keys bench --workload-keys elements,block_size,device,bitsandbytes,tsd_cpu_isa
+}
+
+stage_cpp() {
+  # The C++ suite's GPU and device tests (or the gtest filter given), with this script's library
+  # path (the carried libraries are not on the machine's own).
+  /tmp/bg/bin/tsd_unit_tests --gtest_filter="${1:-*Gpu*:*Device*}" >"$OUT/cpp_gpu.txt" 2>&1 ||
+    echo "gpu.sh: C++ tests failed"
+  grep -E "^\[  (FAILED|PASSED) " "$OUT/cpp_gpu.txt" | head -20 || true
 }
 
 stage_pytest() {
