@@ -176,6 +176,24 @@ def pss_bytes(pid: int) -> Optional[int]:
     return None
 
 
+def own_pss_bytes(pid: int) -> Optional[int]:
+    """The PSS of `pid` without its mappings of memfds (/proc/<pid>/smaps): a trainer's own
+    memory, without the pages of tsd's regions and stores it maps (tsd's memory is memfds), or
+    None if it is gone or unreadable."""
+    total, memfd = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for ln in f:
+                head = ln.split(None, 5)
+                if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                    memfd = len(head) == 6 and head[5].startswith("/memfd:")
+                elif ln.startswith("Pss:") and not memfd:
+                    total += int(ln.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return total
+
+
 def descendants(pid: int) -> list[int]:
     """`pid` and every process below it (from /proc/<pid>/task/*/children)."""
     out, todo = [], [pid]

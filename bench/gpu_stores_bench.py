@@ -65,9 +65,9 @@ def write_checkpoint(directory: str, seed: int = 0, **arch: Any) -> int:
     return base
 
 
-def _lora(model: Any, steps: int, seq: int, vocab: int, state: dict[str, Any]) -> list[float]:
+def _lora(model: Any, steps: int, seq: int, vocab: int, state: dict[str, Any], device: str) -> list[float]:
     import torch
-    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(3)).cuda()
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(3)).to(device)
     losses = []
     for _ in range(steps):
         loss = state["model"](input_ids=ids, labels=ids).loss
@@ -75,14 +75,17 @@ def _lora(model: Any, steps: int, seq: int, vocab: int, state: dict[str, Any]) -
         state["opt"].step()
         state["opt"].zero_grad(set_to_none=True)
         losses.append(loss.item())
-    torch.cuda.synchronize()
+    if device != "cpu":
+        torch.cuda.synchronize()
     return losses
 
 
 def worker(socket: str, path: str, job: str, mode: str, seq: int) -> None:
     """One trainer: loads `path` NF4 through a tsd store, puts the base on the GPU (`mode`
-    "device": the shared copy; "host": a private copy), then obeys stdin lines: "train N" (N LoRA
-    steps; prints {"losses": [...]}) and "exit". Prints {"loaded": {...}} once ready."""
+    "device": the shared copy; "host": a private copy) or keeps it in the host store ("cpu": a
+    CPU run, for a smoke test of bench/stores_bench.py), then obeys stdin lines: "train N" (N LoRA
+    steps; prints {"losses": [...]}) and "exit". Prints {"loaded": {...}} once ready, with the
+    seconds `load_model` took (`load_s`)."""
     import peft
     import torch
 
@@ -91,17 +94,20 @@ def worker(socket: str, path: str, job: str, mode: str, seq: int) -> None:
     from trainstream.store import use_device_copy
 
     client = trainstream.connect(socket=socket, job=f"{job}-store")
+    t0 = time.time()
     model = load_model(path, quantize="nf4", dtype=torch.bfloat16, store=client)
-    info: dict[str, Any] = {"store": model._ts_load_info["store"], "mode": mode, "pid": os.getpid()}
+    info: dict[str, Any] = {"store": model._ts_load_info["store"], "mode": mode, "pid": os.getpid(),
+                            "load_s": time.time() - t0}
+    device = "cpu" if mode == "cpu" else "cuda:0"
     if mode == "device":
         dev = use_device_copy(model, "cuda:0")
         info.update(read_only=dev.read_only, access_note=dev.access_note, gpu_uuid=dev.gpu_uuid)
-    model.to("cuda:0")
+    model.to(device)
     torch.manual_seed(0)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model, opt = trainstream.wrap(model, opt, device="cuda", socket=socket, job=job)
+    model, opt = trainstream.wrap(model, opt, device=device, socket=socket, job=job)
     state = {"model": model, "opt": opt}
     vocab = int(model.config.vocab_size)
     print(json.dumps({"loaded": info}), flush=True)
@@ -110,8 +116,9 @@ def worker(socket: str, path: str, job: str, mode: str, seq: int) -> None:
         if not cmd or cmd[0] == "exit":
             break
         if cmd[0] == "train":
-            losses = _lora(model, int(cmd[1]), seq, vocab, state)
-            print(json.dumps({"losses": losses, "reserved": torch.cuda.memory_reserved()}), flush=True)
+            losses = _lora(model, int(cmd[1]), seq, vocab, state, device)
+            reserved = torch.cuda.memory_reserved() if device != "cpu" else 0
+            print(json.dumps({"losses": losses, "reserved": reserved}), flush=True)
     trainstream.unwrap(model)
     client.close()
 
@@ -146,9 +153,17 @@ class Job:
         raise RuntimeError(f"job {self.name}: no '{key}' within {timeout} s")
 
     def train(self, steps: int) -> list[float]:
+        self.start_training(steps)
+        return self.losses()
+
+    def start_training(self, steps: int) -> None:
+        """Asks for `steps` LoRA steps without waiting (several jobs then train at once)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"train {steps}\n")
         self.proc.stdin.flush()
+
+    def losses(self) -> list[float]:
+        """The losses of the steps asked last."""
         return [float(x) for x in self._read("losses")]
 
     def exit(self) -> None:

@@ -254,3 +254,26 @@ def test_bars_show_each_modes_step_and_peak_of_one_run(tmp_path):
     with pytest.raises(report.ReportError, match="vram= is device or torch"):
         report.render_bars(report.Block("t", "bars", {"benchmark": ["finetune"], "img": ["x.png"], "vram": ["gpu"]}, 1),
                            records, str(tmp_path), [])
+
+
+def test_tiny_cpu_stores_run_records_four_jobs_on_one_store(tmp_path):
+    """bench/stores_bench.py on the CPU (a tiny Qwen2, its own tsd): four jobs load the base through
+    one store, train alone and then together with equal losses, and the record holds what issue
+    12's benchmark compares (tsd's bytes with one and four jobs, each load's seconds, each
+    trainer's own PSS). The targets are for the 14B on the GPU machine, not checked here."""
+    from conftest import tsd_binary
+
+    results = tmp_path / "stores.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "stores_bench.py"), "--device", "cpu", "--tiny", "--seq", "16",
+           "--steps", "1", "--pool", "2GiB", "--tsd-bin", tsd_binary(), "--workdir", str(tmp_path),
+           "--results", str(results)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    ok = benchlib.read_results(str(results))[0]
+    assert ok["benchmark"] == "stores" and ok["mode"] == "four_jobs_host_store" and ok["status"] == "ok", \
+        out.stdout[-2000:] + out.stderr[-2000:]
+    v = ok["values"]
+    assert v["losses_equal"] == 1
+    assert len(v["load_s"]) == 4 and all(x > 0 for x in v["load_s"])
+    assert 0 < v["tsd_one_job_gib"] <= v["tsd_four_jobs_gib"]
+    assert len(v["trainer_own_pss_gib"]) == 4 and all(x > 0 for x in v["trainer_own_pss_gib"])
+    assert ok["workload"]["jobs"] == 4 and ok["workload"]["device"] == "cpu"
