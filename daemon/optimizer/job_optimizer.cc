@@ -166,7 +166,8 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   p.grad_bytes = page(grads);
   // fp32 parameters are the masters bit for bit: their slots need no memory of their own, and
   // an update need not write them twice (4 bytes per parameter less in the pool and in traffic).
-  p.params_in_master = !p.buckets.empty() &&
+  // Only for a client that maps the slots there (RegisterOptimizerRequest.params_in_master_ok).
+  p.params_in_master = req.params_in_master_ok() && !p.buckets.empty() &&
                        std::all_of(p.buckets.begin(), p.buckets.end(), [](const BucketPlan& b) {
                          return b.param_dtype == kernels::DType::kF32;
                        });

@@ -83,8 +83,16 @@ TEST_F(RegistrarTest, Fp32ParametersAreTheirMastersAndTakeNoRegionOfTheirOwn) {
   const uint64_t session = Attach();
   Registrar registrar(*registry_);
   v1::RegisterOptimizerRequest bf16 = request_;
+  bf16.set_params_in_master_ok(true);
   v1::RegisterOptimizerRequest fp32 = request_;
   for (auto& b : *fp32.mutable_buckets()) b.set_param_dtype(v1::F32);
+  // A client from before the change does not say it takes the slots in opt/master: it gets them
+  // in opt/params, as before.
+  auto old_client = JobOptimizer::Plan(fp32, 256 << 20);
+  ASSERT_TRUE(old_client.ok()) << old_client.status();
+  EXPECT_FALSE(old_client->params_in_master);
+  EXPECT_GT(old_client->param_bytes, 0u);
+  fp32.set_params_in_master_ok(true);
 
   auto planned16 = JobOptimizer::Plan(bf16, 256 << 20);
   ASSERT_TRUE(planned16.ok()) << planned16.status();
