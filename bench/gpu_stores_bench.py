@@ -183,6 +183,14 @@ class Job:
             self.proc.wait()
 
 
+def stop_all(jobs: list[Job], tsd: subprocess.Popen[bytes]) -> None:
+    """Kills the jobs still running, then stops the benchmark's tsd."""
+    for j in jobs:
+        j.kill()
+    tsd.send_signal(signal.SIGTERM)
+    tsd.wait(60)
+
+
 def device_used(nvml: Any, settle_s: float = 1.0) -> int:
     """Whole-device used bytes, read after `settle_s` (freed memory shows up late in NVML)."""
     time.sleep(settle_s)
@@ -235,10 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         u4 = device_used(nvml)
         c.exit()
     finally:
-        for j in jobs:
-            j.kill()
-        tsd.send_signal(signal.SIGTERM)
-        tsd.wait(60)
+        stop_all(jobs, tsd)
     one_job, both, own = u1 - u0, u2 - u0, (u4 - u3) - base
     limit = one_job + own + 0.05 * one_job
     gib = 2.0 ** 30

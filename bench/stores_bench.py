@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import benchlib  # noqa: E402
-from gpu_stores_bench import QWEN14B, Job, write_checkpoint  # noqa: E402
+from gpu_stores_bench import QWEN14B, Job, stop_all, write_checkpoint  # noqa: E402
 
 JOBS = 4
 # A small Qwen2 for a CPU smoke run (--tiny).
@@ -82,10 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for job in jobs:
             job.exit()
     finally:
-        for job in jobs:
-            job.kill()
-        tsd.send_signal(signal.SIGTERM)
-        tsd.wait(60)
+        stop_all(jobs, tsd)
     load = [float(job.loaded["load_s"]) for job in jobs]
     four = max(used[-1], used_together)
     gib = 2.0 ** 30
