@@ -511,7 +511,7 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
     bw = float(measured["bandwidth_gbs"])
     out = [f"bound = max(GPU forward+backward ({'stock: %.3f s' % stock_fb if stock_fb else 'the mode own'}), "
            f"host bytes per step / STREAM {bw:.1f} GB/s)"]
-    for mode in dict.fromkeys(r["mode"] for r in ok if base_mode(r["mode"])[0] in TSD_MODES):
+    for mode in dict.fromkeys(r["mode"] for r in ok if base_mode(r["mode"]) in TSD_MODES):
         vals = [r["values"] for r in ok if r["mode"] == mode and "host_bytes_per_step" in r["values"]]
         if not vals:
             continue
@@ -536,10 +536,9 @@ def run_capped() -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def base_mode(mode: str) -> tuple[str, bool]:
-    """(the mode, whether it runs uncapped) of a --modes entry (see `mode_settings`)."""
-    name, *variants = mode.split(":")
-    return name, "uncapped" in variants
+def base_mode(mode: str) -> str:
+    """The mode of a --modes entry, without its variants (see `mode_settings`)."""
+    return mode.split(":")[0]
 
 
 def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
@@ -704,7 +703,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     once = {m for m in a.once.split(",") if m}
-    bad = [m for m in modes + sorted(once) if base_mode(m)[0] not in ALL_MODES]
+    bad = [m for m in modes + sorted(once) if base_mode(m) not in ALL_MODES]
     if a.mode is None and bad:
         ap.error(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(ALL_MODES)}")
     for m in modes + sorted(once):
@@ -745,12 +744,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rec = benchlib.Recorder("finetune", a.results, command=benchlib.command_line(
         [os.path.relpath(os.path.abspath(sys.argv[0]), os.getcwd()), *(sys.argv[1:] if argv is None else argv)]))
-    skips = {m: skip_reason(base_mode(m)[0], a) for m in a.modes_list}
+    skips = {m: skip_reason(base_mode(m), a) for m in a.modes_list}
     nvml = benchlib.Nvml.open() if a.device == "cuda" else None
     gpu = benchlib.Nvml.index_for_visible()
     daemon = client = None
     try:
-        if any(base_mode(m)[0] in TSD_MODES and skips[m] is None for m in a.modes_list):
+        if any(base_mode(m) in TSD_MODES and skips[m] is None for m in a.modes_list):
             import trainstream
 
             if a.socket is None:
@@ -765,7 +764,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rec.record(mode, workload(mode, a, {}), {}, status="skipped", reason=skips[mode], repeat=repeat)
                     print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
                 continue
-            tsd = base_mode(mode)[0] in TSD_MODES
+            tsd = base_mode(mode) in TSD_MODES
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
                                        (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
             status, reason, values, raw = outcome(run)

@@ -76,10 +76,10 @@ class OptimizerLayout:
     def parts(self, moment_dtype: str) -> list[tuple[str, int]]:
         """(what, bytes) of each region, for messages."""
         out = [("fp32 master weights", self.master_bytes), (f"{moment_dtype} moments", 2 * self.moment_bytes),
-               ("gradient slots", self.grad_bytes), ("parameter slots", self.param_bytes),
-               ("control page", self.control_bytes)]
-        if self.param_bytes == 0:  # fp32 parameters: their slots are the masters
-            out = [p for p in out if p[0] != "parameter slots"]
+               ("gradient slots", self.grad_bytes)]
+        if self.param_bytes:  # none when the parameters are fp32: their slots are the masters
+            out.append(("parameter slots", self.param_bytes))
+        out.append(("control page", self.control_bytes))
         if self.accum_bytes:
             out.append(("fp32 accumulator", self.accum_bytes))
         return out

@@ -140,6 +140,19 @@ def measure_device(device: Union[str, torch.device]) -> Budget:
     return Budget(vram_total=total, vram_usable=int(total * min(fraction, 1.0) * VRAM_HEADROOM), vram_free=free)
 
 
+# unwrap() gives weights back to the device only when they take at most this share of its room.
+GIVE_BACK_SHARE = 0.9
+
+
+def device_room(device: Union[str, torch.device]) -> int:
+    """What this process may still allocate on CUDA `device`: its free memory under any per-process
+    cap (`measure_device`: `set_per_process_memory_fraction` is not in `mem_get_info`), plus what
+    torch's allocator holds unused."""
+    dev = torch.device(device)
+    free = int(measure_device(dev).vram_free or 0)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
 def measure_host() -> Budget:
     """The host-memory fields of a budget: the node's RAM and the processes that share it."""
     ram_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -584,14 +584,11 @@ def _give_back_device(session: Session, model: torch.nn.Module) -> Optional[torc
     device = session.device
     if device.type != "cuda":
         return None
-    from .planner import measure_device
-
     need = _needed_to_give_back(session, model)
     if need == 0:
         return device
-    free = int(measure_device(device).vram_free or 0)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if need <= 0.9 * free:
+    free = planner.device_room(device)
+    if need <= planner.GIVE_BACK_SHARE * free:
         return device
     warnings.warn(f"trainstream.unwrap: the model in its own dtypes needs {format_bytes(need)} more on {device}, "
                   f"which has {format_bytes(free)} free for this process: it is given back on the CPU")

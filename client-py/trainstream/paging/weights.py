@@ -495,13 +495,9 @@ class WeightPager:
         chosen = target is not None
         target = target if target is not None else self.device
         if self.cuda and need and not chosen:
-            # What this process may still take: the device's free memory, under any per-process cap
-            # (set_per_process_memory_fraction, which mem_get_info does not see), plus what torch's
-            # allocator holds unused.
-            from ..planner import measure_device
-            free = int(measure_device(self.device).vram_free or 0)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            if need > 0.9 * free:
+            from ..planner import GIVE_BACK_SHARE, device_room
+            free = device_room(self.device)
+            if need > GIVE_BACK_SHARE * free:
                 target = torch.device("cpu")
                 warnings.warn(f"trainstream: the paged blocks' weights ({format_bytes(need)}) do not fit in the free "
                               f"memory of {self.device} ({format_bytes(free)}): unwrap() gives them back on the CPU")
