@@ -166,9 +166,15 @@ class MemoryPlanner:
         return everything
 
     def _estimate(self, peak: int, paged: set[int], new: set[int]) -> int:
-        """The peak a step would reach with `new` paged, from one measured with `paged`."""
-        return (peak - self.resident_bytes(paged) - self.buffers(paged)
-                + self.resident_bytes(new) + self.buffers(new))
+        """The peak a step would reach with `new` paged, from one measured with `paged`. The
+        resident blocks' difference counts in full. Of the paged blocks' copies in flight, only an
+        increase is charged: the measured peak held at most `buffers(paged)` of them and maybe
+        fewer (a peak at the loss, between the forward's last paged block and the backward's first,
+        may hold one or none), so a plan with fewer copies in flight is not credited the
+        difference. Crediting it would overestimate the room by up to depth + 1 blocks exactly when
+        the last paged blocks move in."""
+        return (peak - self.resident_bytes(paged) + self.resident_bytes(new)
+                + max(0, self.buffers(new) - self.buffers(paged)))
 
     def _move_in(self, peak: int, paged: set[int]) -> set[int]:
         """The smallest subset of `paged` (spread over it) that keeps the estimate under the target."""

@@ -96,6 +96,21 @@ def test_refinement_moves_in_only_what_fits_and_keeps_the_rest_spread():
     assert p.steady == 0 and not p.done
 
 
+def test_moving_the_last_paged_blocks_in_is_not_credited_their_copies_in_flight():
+    """The measured peak may have held fewer paged copies than depth + 1 (at the loss, none), so
+    a plan with fewer copies in flight is not credited the difference; one with more is charged."""
+    p = MemoryPlanner(Budget(vram_usable=2000), [100] * 10)  # target 1900, depth 1: 2 copies
+    paged = {0, 5}
+    # Measured 1750 with 2 paged. All resident: 200 more resident bytes; the 2 copies might not
+    # have been on the device at the peak, so the estimate is 1950 (crediting them gave 1750).
+    assert p._estimate(1750, paged, set()) == 1950
+    assert p.refine(1750, paged) == {0}  # one moves in (1850); both would not surely fit
+    # Paging more: the copies in flight stay 2 (depth + 1): only the resident bytes change.
+    assert p._estimate(1750, paged, {0, 3, 5, 8}) == 1550
+    # From 1 paged (1 copy) to 3 paged (2 copies): one more copy is charged.
+    assert p._estimate(1000, {5}, {1, 5, 8}) == 1000 - 200 + 100
+
+
 def test_a_step_at_the_target_is_steady_and_every_block_paged_stays_paged_when_over():
     p = MemoryPlanner(Budget(vram_usable=1000), [100] * 6)
     assert p.refine(int(1000 * (1 - MARGIN)), {0, 2, 4}) is None
