@@ -73,6 +73,30 @@ def test_quantized_linear_on_cuda(kind, dtype):
     assert torch.equal(x.grad, x2.grad)
 
 
+def test_no_dequantized_weight_is_held_between_layers_on_cuda():
+    """A GPU keeps no workspace: after a forward the only new memory is the output (and at most
+    what autograd saved), after backward only the input's gradient; the dequantized weights lived
+    only during their matmuls. A kept 1024x4096 bf16 workspace would leave 8 MiB behind."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[Q.QuantizedLinear.from_linear(nn.Linear(1024, 4096, bias=False).to(torch.bfloat16),
+                                                             "nf4").cuda(),
+                             Q.QuantizedLinear.from_linear(nn.Linear(4096, 1024, bias=False).to(torch.bfloat16),
+                                                           "nf4").cuda()])
+    x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layers(x).float().sum().backward()  # once first: cuBLAS takes its own workspace on first use
+    x.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = layers(x)
+    saved = x.numel() * 2 + 2 * 4096 * 2  # each layer's input, kept for its backward
+    assert torch.cuda.memory_allocated() - before <= saved + y.numel() * 2 + 4096
+    y.float().sum().backward()
+    del y
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before == x.grad.numel() * 2
+    assert Q.workspace_bytes("cuda") == 0
+
+
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 def test_qlora_through_wrap_on_cuda(tsd, tmp_path, kind):
     pytest.importorskip("peft")

@@ -1,8 +1,12 @@
 """`QuantizedLinear`: an `nn.Linear` whose frozen weight is quantized.
 
-Forward and backward dequantize the layer's weight into a workspace shared by every quantized
-layer of a device and dtype (grown to the largest layer, then reused: no per-step allocation of
-full-precision weights), right before the matmul that uses it. Backward computes the input's
+Forward and backward dequantize the layer's weight into a workspace right before the matmul that
+uses it, one layer at a time: no full-precision copy of the model's weights is ever held. On a GPU
+the workspace comes from torch's caching allocator for the call and goes back to it as soon as the
+matmul is queued, so the same cached block serves every layer and nothing is held between layers
+(the peak of a step, at the loss, holds no dequantized weight: bitsandbytes' `Linear4bit` does the
+same). On the CPU, where a large allocation is a fresh `mmap` and page faults on every call, one
+workspace per dtype is kept, grown to the largest layer and reused (`workspace_bytes()`). Backward computes the input's
 gradient (and the bias's, when the bias trains) and nothing for the frozen weight, so
 activation checkpointing recomputes through it, and `eval()`/`generate()` and fp16/bf16 compute
 (including autocast) work unchanged. It stays an `nn.Linear` subclass, so peft's
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +33,12 @@ _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _workspace(q: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """q dequantized into the shared workspace of its device and `dtype` (valid until the next
-    dequantize into it: use it at once, on the current stream)."""
+    """q dequantized in `dtype`, for immediate use on the current stream. On a GPU into a block of
+    torch's caching allocator, returned when the caller drops it (the allocator orders its reuse
+    after the work queued on this stream); elsewhere into the kept workspace of the device and
+    dtype (valid until the next dequantize into it)."""
+    if q.device.type == "cuda":
+        return q.dequantize(out=torch.empty(q.numel, dtype=dtype, device=q.device))
     key = (q.device, dtype)
     with _workspace_lock:
         ws = _workspaces.get(key)
@@ -39,10 +47,17 @@ def _workspace(q: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     return q.dequantize(out=ws.narrow(0, 0, q.numel))
 
 
-def workspace_bytes() -> int:
-    """Bytes held by the shared dequantize workspaces (every device and dtype)."""
+def workspace_bytes(device: Optional[Union[str, torch.device]] = None) -> int:
+    """Bytes held between calls by the kept dequantize workspaces, of every device or of the
+    device type or device given (a GPU keeps none: its workspace is a block of torch's caching
+    allocator for the call)."""
+    want = None if device is None else torch.device(device)
+
+    def matches(d: torch.device) -> bool:
+        return want is None or (d.type == want.type and (want.index is None or d.index == want.index))
+
     with _workspace_lock:
-        return sum(w.numel() * w.element_size() for w in _workspaces.values())
+        return sum(w.numel() * w.element_size() for (d, _), w in _workspaces.items() if matches(d))
 
 
 def _compute_dtype(x: torch.Tensor, q: QuantizedWeight) -> torch.dtype:
