@@ -14,7 +14,9 @@
 #              (records appended to $OUT/dequant.jsonl through bench/benchlib.py)
 #   pytest     the named Python test files against that tsd and extension ($OUT/pytest.txt);
 #              `pytest --cuda-tests tests/python` runs every test that a CPU machine skips for want of CUDA
-#   peers      installs the carried peer wheels (DeepSpeed, torchao) into /tmp/site
+#   peers      installs the carried peer wheels (DeepSpeed, torchao) into /tmp/site, and the
+#              extras (bitsandbytes, TRL, datasets) where .devdeps/extras.tar.xz has them
+#              (scripts/gpu-extras.sh writes it)
 #   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
 #   python     a script with its arguments, against that tsd and extension (e.g.
 #              bench/paging_memory_trace.py), its output in $OUT/python.txt
@@ -74,6 +76,13 @@ stage_pytest() {
 }
 
 stage_peers() {
+  mkdir -p /tmp/site
+  # bitsandbytes, TRL and datasets (scripts/gpu-extras.sh packs them), where .devdeps has them.
+  if [ -f .devdeps/extras.tar.xz ]; then
+    tar -C /tmp/site -xJf .devdeps/extras.tar.xz
+    python3 -c 'import bitsandbytes, datasets, trl; print("gpu.sh: extras", bitsandbytes.__version__, datasets.__version__, trl.__version__)' ||
+      echo "gpu.sh: the extras do not import (datasets 5.2 needs pyarrow >= 24)"
+  fi
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devdeps/wheels/*.whl
   DS_BUILD_OPS=0 python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site \
     .devdeps/wheels/deepspeed-*.tar.gz
