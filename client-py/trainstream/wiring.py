@@ -562,7 +562,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _needed_to_give_back(session: Session, model: torch.nn.Module) -> int:
     """The bytes the model needs on its device, beyond what it holds there now, to be given back
     there in its own dtypes: its paged blocks' weights (brought back, then cast) and the copy in
-    its own dtype of each parameter param_dtype= cast."""
+    its own dtype of each parameter param_dtype= cast (for the GPU share's, only where its fp32
+    master is not already of that dtype: then the master itself becomes the parameter)."""
     paged = session.pager.paged_param_bytes() if session.pager is not None and not session.pager.closed else {}
     orig = {id(ps.param): ps.orig_dtype for ps in session.params}
     need = 0
@@ -572,6 +573,10 @@ def _needed_to_give_back(session: Session, model: torch.nn.Module) -> int:
             need += paged[id(p)] * max(1, want.itemsize // p.dtype.itemsize)
         elif p.device == session.device and want != p.dtype:
             need += p.numel() * want.itemsize  # the working copy goes after it
+    if session.share is not None:  # the GPU share's cast parameters: their master, cast, unless it is one already
+        for e in session.share.entries:
+            if not e.own and e.param.dtype != e.orig_dtype and e.master.dtype != e.orig_dtype:
+                need += e.param.numel() * e.orig_dtype.itemsize
     return need
 
 

@@ -554,6 +554,32 @@ def test_unwrap_counts_what_giving_the_model_back_needs_on_its_device(tsd):
     assert _needed_to_give_back(s, model) == 0  # given back: the pager is closed, nothing is cast
 
 
+@pytest.mark.parametrize("own", [torch.float32, torch.float16])
+def test_unwrap_counts_the_gpu_shares_cast_parameters_only_when_their_master_is_not_their_dtype(tsd, own):
+    """optimizer_gpu_fraction= with param_dtype=: a shared parameter goes back as its fp32 master
+    cast to its own dtype. An fp32 model takes the master itself (nothing more); an fp16 one
+    needs a new fp16 tensor per shared parameter."""
+    from trainstream.wiring import _needed_to_give_back
+
+    model = make_gpt(0, layers=2, d=32).to(own)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cpu",
+                                  socket=tsd.socket, optimizer_gpu_fraction=0.5, param_dtype=torch.bfloat16)
+    s = unwrap_session(model)
+    try:
+        assert s.share is not None and s.share.entries
+        shared = [e for e in s.share.entries if not e.own and e.param.dtype != e.orig_dtype]
+        assert shared
+        cast = {id(ps.param) for ps in s.params if ps.orig_dtype != ps.param.dtype}
+        expect = sum(p.numel() * own.itemsize for p in {id(p): p for p in model.parameters()}.values()
+                     if id(p) in cast)
+        if own != torch.float32:
+            expect += sum(e.param.numel() * own.itemsize for e in shared)
+        assert _needed_to_give_back(s, model) == expect
+    finally:
+        trainstream.unwrap(model)
+    assert all(p.dtype == own for p in model.parameters())
+
+
 def test_the_graph_keeps_no_weight_memory_between_forward_and_backward(tsd):
     """After forward, paged blocks hold no storage (but the last one, which backward needs first):
     the graph saved references to their weights, not the weights (an addmm saves weight.t(), a
