@@ -59,14 +59,8 @@ absl::Status SealedMemory::Seal(bool lock) {
   }
   sealed_ = true;
   if (lock) {
-    auto ro = OpenReadOnly();
-    if (!ro.ok()) return ro.status();
-    void* p = mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, *ro, 0);
-    close(*ro);
-    if (p != MAP_FAILED) {
-      ro_data_ = p;
-      locked_ = mlock(p, bytes_) == 0;
-    }
+    TSD_ASSIGN_OR_RETURN(ro_data_, MapSealed());
+    locked_ = mlock(ro_data_, bytes_) == 0;  // best effort: the limit may refuse it
   }
   return absl::OkStatus();
 }
@@ -74,6 +68,11 @@ absl::Status SealedMemory::Seal(bool lock) {
 SealedMemory::View::~View() { munmap(const_cast<uint8_t*>(data_), bytes_); }
 
 absl::StatusOr<std::unique_ptr<SealedMemory::View>> SealedMemory::MapReadOnly() const {
+  TSD_ASSIGN_OR_RETURN(void* p, MapSealed());
+  return std::make_unique<View>(static_cast<const uint8_t*>(p), bytes_);
+}
+
+absl::StatusOr<void*> SealedMemory::MapSealed() const {
   TSD_ASSIGN_OR_RETURN(const int fd, OpenReadOnly());
   void* p = mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);
@@ -82,7 +81,7 @@ absl::StatusOr<std::unique_ptr<SealedMemory::View>> SealedMemory::MapReadOnly() 
         absl::StrCat("mapping a store's ", wire::FormatBytes(bytes_),
                      " to read them failed: ", std::strerror(errno)));
   }
-  return std::make_unique<View>(static_cast<const uint8_t*>(p), bytes_);
+  return p;
 }
 
 absl::StatusOr<int> SealedMemory::OpenReadOnly() const {

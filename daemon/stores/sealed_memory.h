@@ -28,7 +28,8 @@ class SealedMemory final {
   // The writable mapping while filling (nullptr once sealed).
   uint8_t* data() const { return data_; }
   // Unmaps the writable mapping and seals the memfd; `lock` keeps a read-only mapping mlock()ed
-  // in the daemon (best effort: false in locked() when the limit refuses it).
+  // in the daemon (the lock is best effort: false in locked() when the limit refuses it; a
+  // mapping that fails is an error).
   absl::Status Seal(bool lock);
   bool sealed() const { return sealed_; }
   bool locked() const { return locked_; }
@@ -53,6 +54,9 @@ class SealedMemory final {
 
  private:
   explicit SealedMemory(uint64_t bytes) : bytes_(bytes) {}
+  // A read-only mapping of the whole sealed memfd through a descriptor of OpenReadOnly(); the
+  // caller unmaps it.
+  absl::StatusOr<void*> MapSealed() const;
 
   const uint64_t bytes_;
   int fd_ = -1;
