@@ -10,9 +10,13 @@
 
 #include <sys/types.h>
 
+#include <spdlog/spdlog.h>
+
 #include <cstdint>
 #include <map>
+#include <utility>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "proto/mutex.h"
 
@@ -27,6 +31,16 @@ class LogBudget {
   // Whether a line for `uid` may be written at `now`. When it may, `*held_back` gets the number of
   // lines of this uid held back since the last one written (to be logged with it), and is reset.
   bool Allow(uid_t uid, absl::Time now, uint64_t* held_back);
+
+  // Writes a warning for `uid` now when its budget allows. `format` takes `args` and then the
+  // count of lines held back before this one (it ends with `earlier_not_logged={}`).
+  template <typename... Args>
+  void Warn(uid_t uid, spdlog::format_string_t<Args..., uint64_t> format, Args&&... args) {
+    uint64_t held_back = 0;
+    if (Allow(uid, absl::Now(), &held_back)) {
+      spdlog::warn(format, std::forward<Args>(args)..., uint64_t{held_back});
+    }
+  }
 
   // Uids with an entry (a test's view: entries of quiet uids are dropped as the map grows).
   size_t tracked() const;

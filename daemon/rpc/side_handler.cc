@@ -112,11 +112,9 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     // client can make the daemon hold descriptors.
     close(fd);
     fd = -1;
-    uint64_t held_back = 0;
-    if (unexpected_fd_log_.Allow(caller.uid, absl::Now(), &held_back)) {
-      spdlog::warn("event=unexpected_fd uid={} pid={} session={} request={} earlier_not_logged={}",
-                   caller.uid, caller.pid, caller.session_id, KindName(request), held_back);
-    }
+    unexpected_fd_log_.Warn(
+        caller.uid, "event=unexpected_fd uid={} pid={} session={} request={} earlier_not_logged={}",
+        caller.uid, caller.pid, caller.session_id, KindName(request));
   }
   struct FdCloser {
     int fd;
@@ -285,13 +283,10 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
     SetError(out.reply, absl::FailedPreconditionError(absl::StrCat(
                             "client speaks protocol ", theirs, ", tsd ", kVersion,
                             " speaks protocol ", wire::kProtocolVersion, ": ", upgrade)));
-    uint64_t held_back = 0;
-    if (attach_refused_log_.Allow(caller.uid, absl::Now(), &held_back)) {
-      spdlog::warn(
-          "event=attach_refused reason=protocol_version uid={} pid={} client={} "
-          "client_version=\"{}\" earlier_not_logged={}",
-          caller.uid, caller.pid, theirs, attach.client_version(), held_back);
-    }
+    attach_refused_log_.Warn(caller.uid,
+                             "event=attach_refused reason=protocol_version uid={} pid={} client={} "
+                             "client_version=\"{}\" earlier_not_logged={}",
+                             caller.uid, caller.pid, theirs, attach.client_version());
     out.close = true;
     out.close_reason = "protocol_version";
     return out;
@@ -304,11 +299,9 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
   extra.resume = attach.resume();
   auto result = registry_.Attach(attach.job(), attach.quota_bytes(), caller.uid, caller.pid, extra);
   if (!result.ok()) {
-    uint64_t held_back = 0;
-    if (attach_refused_log_.Allow(caller.uid, absl::Now(), &held_back)) {
-      spdlog::warn("event=attach_refused uid={} pid={} error=\"{}\" earlier_not_logged={}",
-                   caller.uid, caller.pid, std::string(result.status().message()), held_back);
-    }
+    attach_refused_log_.Warn(
+        caller.uid, "event=attach_refused uid={} pid={} error=\"{}\" earlier_not_logged={}",
+        caller.uid, caller.pid, std::string(result.status().message()));
     SetError(out.reply, result.status());
     out.close = true;
     out.close_reason = "attach_refused";

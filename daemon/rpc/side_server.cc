@@ -254,12 +254,10 @@ void SideServer::HandleReadable(const ConnPtr& c) {
         MutexLock lock(c->mu);
         session_id = c->session_id;
       }
-      uint64_t held_back = 0;
-      if (bad_message_log_.Allow(c->uid, absl::Now(), &held_back)) {
-        spdlog::warn(
-            "event=bad_side_message uid={} pid={} session={} error=\"{}\" earlier_not_logged={}",
-            c->uid, c->pid, session_id, std::string(whole.status().message()), held_back);
-      }
+      bad_message_log_.Warn(
+          c->uid,
+          "event=bad_side_message uid={} pid={} session={} error=\"{}\" earlier_not_logged={}",
+          c->uid, c->pid, session_id, std::string(whole.status().message()));
       SendError(*c, request_id, whole.status());
       if (session_id == 0) {  // before an attach, one bad message closes the connection
         FinishClose(c, "bad_message_before_attach");
