@@ -34,8 +34,12 @@ fi
 # TRL (trainstream.integrations.trl, tests/python/test_trl.py): 1.16.0 works with transformers 5.17.0
 # and torch 2.11 (datasets pinned at the version tested with it). MkDocs builds the documentation site (mkdocs.yml; `mkdocs build --strict`).
 .venv/bin/python -m pip install -q trl==1.16.0 datasets==5.2.0 mkdocs==1.6.1
+# tsd, tsctl, the C++ suites and libraries, built once into build/ (scripts/build.sh, which the
+# test and run scripts call again: then nothing is left to do).
+echo "setup: building tsd into build/"
+scripts/build.sh >/dev/null
 # The trainstream package (client-py/): its extension is built against the torch just installed,
-# and against tsclient, which its setup.py builds with CMake into build-py/.
+# and links the tsclient of that same build/ (TSD_PY_BUILD_DIR), so nothing is compiled twice.
 echo "setup: building the trainstream Python package"
-.venv/bin/python -m pip install -q --no-build-isolation ./client-py
+TSD_PY_BUILD_DIR="$PWD/build" .venv/bin/python -m pip install -q --no-build-isolation ./client-py
 echo "setup: done"
