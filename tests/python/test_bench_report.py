@@ -177,7 +177,7 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     results = tmp_path / "finetune.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
            "--batch", "2", "--seq", "16", "--steps", "2", "--modes", "tsd,stock", "--socket", tsd.socket,
-           "--results", str(results), "--sample-interval", "0.05"]
+           "--results", str(results), "--sample-interval", "0.05", "--save-restore"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     ok, skipped = benchlib.read_results(str(results))
@@ -188,6 +188,8 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert len(v["step_s"]) == 2 and v["step_s_median"] > 0
     assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
     assert v["rss_peak_gib"] > 0 and "vram_torch_peak_gib" not in v  # no GPU: no VRAM figure rather than a zero
+    # --save-restore: the two steps trained again after restoring gave the same losses, bit for bit.
+    assert v["resume_exact"] == 1 and v["saved_gib"] > 0 and v["save_s"] > 0 and v["restore_s"] > 0
     assert "finetune_bench.py --device cpu --arch tiny" in ok["command"] and ok["host"]["cpus"] >= 1
     assert ok["time_utc"].endswith("Z") and ok["source"] == "measured"
     assert skipped["mode"] == "stock" and skipped["status"] == "skipped" and "needs a GPU" in skipped["reason"]
