@@ -428,7 +428,10 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if session is not None and a.save_restore:
         _PROGRESS["phase"] = "save and restore"
         try:  # a failure here is recorded beside the steps' figures, as unwrap()'s is
-            record.update(save_restore(a, model, opt, vocab, autocast))
+            import save_restore
+
+            batches = save_restore.fixed_batches(vocab, a.batch, a.seq, a.device)
+            record.update(save_restore.check(model, opt, batches, autocast))
         except Exception:
             import traceback
 
@@ -453,74 +456,6 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             record["unwrap_failed"] = 1
         record["unwrap_device"] = str(next(model.parameters()).device)
     print("@@" + json.dumps(record), flush=True)
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def save_restore(a: argparse.Namespace, model: Any, opt: Any, vocab: int, autocast: bool) -> dict[str, Any]:
-    """Issue 10's save and restore on a wrapped model: the model's tensors (state_dict(), paged
-    blocks' values from tsd memory) are written one tensor at a time into a file, and the optimizer's
-    state by tsd itself (`save_state` into a descriptor the trainer opened); 2 more steps train on
-    fixed batches; then both are restored (`load_state_dict` one tensor at a time, `load_state`) and
-    the same 2 steps train again. `resume_exact` is 1 when both pairs of losses are bit-identical.
-    The trainer's anonymous memory (RssAnon) growth across save and across restore is recorded: the
-    bound is one tensor, not the model."""
-    import tempfile
-
-    import torch
-
-    folder = tempfile.mkdtemp(prefix="tsd-save-", dir=os.environ.get("TSD_BENCH_SAVE_DIR"))
-    weights, state = os.path.join(folder, "model.bin"), os.path.join(folder, "optimizer.safetensors")
-    g = torch.Generator().manual_seed(1234)
-    batches = [torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(a.device) for _ in range(2)]
-
-    def two_steps() -> list[float]:
-        losses = []
-        for ids in batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    index: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    rss0, t = _rss_anon(), time.time()
-    with open(weights, "wb") as f:
-        for k, v in model.state_dict(keep_vars=False).items():
-            host = v.detach().to("cpu").contiguous()
-            f.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
-            index.append((k, host.dtype, tuple(host.shape)))
-            del host
-    with open(state, "wb") as f:
-        written = opt.save_state(f)
-    out: dict[str, Any] = {"save_s": time.time() - t, "save_rss_anon_growth_mib": (_rss_anon() - rss0) / 2**20,
-                           "saved_gib": (os.path.getsize(weights) + written) / 2**30}
-    first = two_steps()
-    rss0, t = _rss_anon(), time.time()
-    with open(weights, "rb") as f:
-        for k, dtype, shape in index:
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            host = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).view(dtype).reshape(shape)
-            model.load_state_dict({k: host}, strict=False)
-            del host
-    with open(state, "rb") as f:
-        opt.load_state(f)
-    out.update(restore_s=time.time() - t, restore_rss_anon_growth_mib=(_rss_anon() - rss0) / 2**20)
-    second = two_steps()
-    out.update(resume_exact=int(first == second), resume_losses=[first, second])
-    print(f"save and restore: {out}", file=sys.stderr, flush=True)
-    for path in (weights, state):
-        os.unlink(path)
-    os.rmdir(folder)
-    return out
 
 
 class RandomTokens:
