@@ -25,7 +25,8 @@ MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction fo
 chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.
 --param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
 (wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
-tensor at a time) and handed to wrap() there, as a model bigger than the card would be.
+tensor at a time; in bf16 for the modes that train bf16 weights, as a checkpoint loaded with
+torch_dtype=bfloat16 is) and handed to wrap() there, as a model bigger than the card would be.
 --grad-ckpt turns on the model's gradient checkpointing in every transformers mode (as people
 fine-tuning large bases run it). Every mode clips by the global gradient norm (--clip, default 1.0 as in every Hugging Face run;
 --clip 0 turns it off). --overlap on|off sets the tsd modes' wrap(overlap_forward=...) (on: updates finish
@@ -160,7 +161,12 @@ def build_model(a: argparse.Namespace, mode: str) -> tuple[Any, int]:
     if a.load_model and mode in ("tsd_lora", "tsd_qlora"):
         model = loaded_model(cfg, mode, a.socket)
     elif host_built(a, mode):
-        model = host_model(cfg, torch.bfloat16 if mode in LORA_MODES else torch.float32, a.device)
+        # bf16 where the run trains bf16 weights (a LoRA base; param_dtype=bf16), as a checkpoint
+        # loaded with torch_dtype=bfloat16 is: an fp32 copy of a 7B model takes 28 GiB of the host
+        # beside tsd's 85 GiB (bf16 moments), more than a 125 GiB host leaves check_memory's room
+        # (90% of the available RAM) for.
+        bf16 = mode in LORA_MODES or mode.startswith("tsd_bf16")
+        model = host_model(cfg, torch.bfloat16 if bf16 else torch.float32, a.device)
     elif mode not in LORA_MODES:
         model = Qwen2ForCausalLM(cfg)
     else:
