@@ -317,6 +317,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     t0 = time.time()
     lora = a.mode in LORA_MODES
     model, vocab = build_model(a, a.mode)
+    n_params = sum(p.numel() for p in model.parameters())  # before wrap(): paged weights leave placeholders
     if not host_built(a, a.mode):
         model = model.to(a.device)
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
@@ -417,7 +418,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
                     paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
     events = list(getattr(session, "events", []) or [])
     record = dict(
-        mode=a.mode, arch=a.arch, params=sum(p.numel() for p in model.parameters()), batch=a.batch, seq=a.seq,
+        mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
         clip=a.clip, step_s_median=med(times), steps=times,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),

@@ -65,7 +65,10 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "paged_gib_per_step": "paged GiB/step", "gparam_per_s": "Gparam/s", "copy_gb_per_s": "copy GB/s",
            "triad_gb_per_s": "triad GB/s", "doorbell_p50_us": "doorbell p50 µs", "doorbell_p99_us": "doorbell p99 µs",
            "grpc_unary_p50_us": "gRPC unary p50 µs", "grpc_unary_p99_us": "gRPC unary p99 µs",
-           "share_of_bound": "share of the bound", "bound_gparam_per_s": "bound Gparam/s", "note": "note"}
+           "share_of_bound": "share of the bound", "bound_gparam_per_s": "bound Gparam/s", "note": "note",
+           "save_s": "save s", "restore_s": "restore s", "saved_gib": "saved GiB", "unwrap_s": "unwrap() s",
+           "resume_exact": "resumed bit-identically (1 = yes)", "save_rss_anon_growth_mib": "RssAnon growth, save MiB",
+           "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -81,7 +84,7 @@ BLOCK = re.compile(r"^<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->
                    re.S | re.M)
 OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_.-]+)", re.M)
 KINDS = ("modes", "runs", "raw", "plot", "bars")
-TARGET = re.compile(r"^([^:]+):([^:]+):([^:<>=]+)(<=|>=)([0-9.]+)$")
+TARGET = re.compile(r"^([^:]+):([^:]+):([^<>=]+)(<=|>=)([0-9.]+)$")  # REFMODE may name a variant (MODE:uncapped)
 
 
 class ReportError(ValueError):
@@ -144,7 +147,7 @@ def col_key(c: str) -> str:
 
 FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
-SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
+SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
 
 

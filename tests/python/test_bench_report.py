@@ -110,6 +110,10 @@ def test_a_target_is_met_only_when_established():
     assert "0.58, not met" in table(inter, target=["a:step:b<=0.5"])
     with pytest.raises(report.ReportError, match="MODE:COL:REFMODE"):
         table(single, target=["a<=0.6"])
+    # The reference may be a variant of a mode (the same configuration uncapped, in the same run).
+    variant = [rec("r", 0, "a", 1.2), rec("r", 1, "b:uncapped", 1.0)]
+    text = table(variant, modes=["a,b:uncapped"], ratio=["step:b:uncapped"], target=["a:step:b:uncapped<=1.5"])
+    assert row(text, "a").endswith("| 1.20 |") and "Target `a` s/step ≤ 1.5x `b:uncapped`'s: 1.20, met" in text
 
 
 def test_latest_run_skipped_and_failed_modes_are_shown():
