@@ -357,6 +357,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
+        prof = start_profile(cuda) if step + 1 == a.profile_step else None
         t = time.perf_counter()
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         if loader is not None:  # the next batch from the workers (the wait counts in the step)
@@ -381,6 +382,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         step_ms.append((time.perf_counter() - ts) * 1e3)
         opt.zero_grad(set_to_none=True)
         sync()
+        if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
+            end_profile(prof, a.mode)
+            continue
         times.append(time.perf_counter() - t)
         if cuda:
             fwd_ms.append(ev[0].elapsed_time(ev[1]))
@@ -463,6 +467,36 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             record["unwrap_failed"] = 1
         record["unwrap_device"] = str(next(model.parameters()).device)
     print("@@" + json.dumps(record), flush=True)
+
+
+def start_profile(cuda: bool) -> Any:
+    """A started torch profiler (CPU, and CUDA on a GPU) for `--profile-step`."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=True)  # Python calls in the trace
+    prof.start()
+    return prof
+
+
+def end_profile(prof: Any, mode: str) -> None:
+    """Stops `prof` and writes, into $TSD_BENCH_PROFILE_DIR (default: the temporary folder), the
+    operations by CPU time and by device time (profile-MODE.txt, also printed to stderr) and a
+    gzipped Chrome trace (profile-MODE.json.gz)."""
+    import torch
+
+    prof.stop()
+    folder = os.environ.get("TSD_BENCH_PROFILE_DIR") or tempfile.gettempdir()
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, f"profile-{mode.replace(':', '_')}")
+    prof.export_chrome_trace(base + ".json.gz")
+    table = prof.key_averages()
+    text = f"--profile-step: {mode}; by CPU time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30)
+    if torch.cuda.is_available():
+        text += "\nby device time:\n" + table.table(sort_by="self_device_time_total", row_limit=20)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(text, file=sys.stderr, flush=True)
 
 
 class RandomTokens:
@@ -608,6 +642,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []), *(["--save-restore"] if a.save_restore else []),
+            *(["--profile-step", str(a.profile_step)] if a.profile_step else []),
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction,
             *(["--loader-workers", str(a.loader_workers)] if a.loader_workers else [])]
 
@@ -704,6 +739,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                          "default: stock AdamW on the GPU after two steps when it fits, e.g. LoRA adapters)")
     ap.add_argument("--param-offload", default="",
                     help="the tsd modes' wrap(param_offload=): auto, true or a fraction (default: off)")
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="tsd and local modes: profile this step (1-based) with torch.profiler, print its top operations "
+                         "to stderr and write a Chrome trace to $TSD_BENCH_PROFILE_DIR; the step is left out of "
+                         "the figures (default 0: none)")
     ap.add_argument("--save-restore", action="store_true",
                     help="tsd modes: after the timed steps, save model and optimizer state streaming, train 2 steps, "
                          "restore, train the same 2 steps again and record whether the losses are bit-identical")

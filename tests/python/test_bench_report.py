@@ -180,16 +180,19 @@ def test_plots_are_the_same_bytes_every_time(tmp_path):
 def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     results = tmp_path / "finetune.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
-           "--batch", "2", "--seq", "16", "--steps", "2", "--modes", "tsd,stock", "--socket", tsd.socket,
-           "--results", str(results), "--sample-interval", "0.05", "--save-restore"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+           "--batch", "2", "--seq", "16", "--steps", "3", "--modes", "tsd,stock", "--socket", tsd.socket,
+           "--results", str(results), "--sample-interval", "0.05", "--save-restore", "--profile-step", "3"]
+    env = dict(os.environ, TSD_BENCH_PROFILE_DIR=str(tmp_path / "profile"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     ok, skipped = benchlib.read_results(str(results))
     assert ok["benchmark"] == "finetune" and ok["mode"] == "tsd" and ok["status"] == "ok", ok.get("reason")
     assert ok["workload"]["arch"] == "tiny" and ok["workload"]["clip"] == 1.0 and ok["workload"]["batch"] == 2
     assert ok["workload"]["params"] > 0 and ok["workload"]["device"] == "cpu"
     v = ok["values"]
-    assert len(v["step_s"]) == 2 and v["step_s_median"] > 0
+    assert len(v["step_s"]) == 2 and v["step_s_median"] > 0  # the profiled third step is left out
+    assert "Self CPU" in (tmp_path / "profile" / "profile-tsd.txt").read_text()
+    assert (tmp_path / "profile" / "profile-tsd.json.gz").stat().st_size > 0
     assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
     assert v["rss_peak_gib"] > 0 and "vram_torch_peak_gib" not in v  # no GPU: no VRAM figure rather than a zero
     # --save-restore: the two steps trained again after restoring gave the same losses, bit for bit.
