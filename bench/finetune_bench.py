@@ -351,8 +351,10 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     act_paged: list[int] = []  # the activation pager's cumulative bytes, before each step
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    retries0, retries = 0, []  # the allocator's retries before the steps, and in each step
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
@@ -382,6 +384,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         step_ms.append((time.perf_counter() - ts) * 1e3)
         opt.zero_grad(set_to_none=True)
         sync()
+        if cuda:
+            retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 - sum(retries))
         if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
             end_profile(prof, a.mode)
             continue
@@ -431,6 +435,10 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         paged_blocks=(len(pager.paged) if pager is not None else 0),
         blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
         reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        # Times the caching allocator hit the cap, freed its cache (cudaFree: a device sync) and
+        # retried, over the timed steps: a run planned close to its cap pays for each.
+        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if cuda else None,
+        alloc_retries_per_step=retries if cuda else None,
         plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
@@ -668,7 +676,7 @@ VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
               "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",
-              "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib",
+              "paged_blocks": "paged_blocks", "reserved_peak_gib": "vram_torch_reserved_gib", "alloc_retries": "alloc_retries",
               "host_bytes_per_param": "host_bytes_per_param", "host_bytes_per_step": "host_bytes_per_step",
               "data_wait_ms": "data_wait_ms", "unwrap_s": "unwrap_s", "unwrap_failed": "unwrap_failed",
               "save_s": "save_s", "restore_s": "restore_s", "saved_gib": "saved_gib", "resume_exact": "resume_exact",
