@@ -308,13 +308,7 @@ absl::Status Client::Free(const std::shared_ptr<Region>& region) {
 absl::StatusOr<PoolStatus> Client::Status() {
   v1::StatusRequest req;
   v1::StatusResponse r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->Status(&ctx, req, &r);
-  if (!s.ok()) {
-    MutexLock lock(impl_->mu);
-    return impl_->Explain(s);
-  }
+  TSD_RETURN_IF_ERROR(impl_->Unary(&v1::Tsd::Stub::Status, req, &r));
   return PoolStatus{
       r.version(), r.uptime_s(), r.pool_bytes(),          r.used_bytes(), r.locked(),
       r.jobs(),    r.sessions(), r.max_job_quota_bytes(), r.pid(),        r.protocol_version()};
@@ -341,13 +335,7 @@ static void DescribeActivity(const v1::JobActivity& a, JobStatus& o) {
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {
   v1::ListJobsRequest req;
   v1::ListJobsResponse r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->ListJobs(&ctx, req, &r);
-  if (!s.ok()) {
-    MutexLock lock(impl_->mu);
-    return impl_->Explain(s);
-  }
+  TSD_RETURN_IF_ERROR(impl_->Unary(&v1::Tsd::Stub::ListJobs, req, &r));
   std::vector<JobStatus> out;
   for (const auto& j : r.jobs()) {
     JobStatus& o = out.emplace_back();

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -295,6 +296,20 @@ struct Client::Impl {
     return absl::UnavailableError(absl::StrCat("tsd at ", socket_path, " is not answering (",
                                                s.error_message(), "); ",
                                                client_detail::HowToStart(socket_path)));
+  }
+
+  // A unary call on tsd's public gRPC service (Status, ListJobs, PlanOptimizer) with a 10 s
+  // deadline; a failure is explained as Explain() does. `mu` is taken only for that.
+  template <typename Request, typename Response>
+  absl::Status Unary(grpc::Status (v1::Tsd::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                           Response*),
+                     const Request& req, Response* resp) ABSL_LOCKS_EXCLUDED(mu) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const grpc::Status s = (stub.get()->*method)(&ctx, req, resp);
+    if (s.ok()) return absl::OkStatus();
+    MutexLock lock(mu);
+    return Explain(s);
   }
 };
 

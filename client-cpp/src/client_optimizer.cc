@@ -128,13 +128,7 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Client::Register(const OptimizerSpec&
 absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec) {
   const v1::RegisterOptimizerRequest req = RegistrationRequest(spec);
   v1::PlanOptimizerResponse r;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Status s = impl_->stub->PlanOptimizer(&ctx, req, &r);
-  if (!s.ok()) {
-    MutexLock lock(impl_->mu);
-    return impl_->Explain(s);
-  }
+  TSD_RETURN_IF_ERROR(impl_->Unary(&v1::Tsd::Stub::PlanOptimizer, req, &r));
   if (static_cast<size_t>(r.buckets_size()) != spec.buckets.size()) {
     return absl::InternalError(absl::StrCat("tsd planned ", r.buckets_size(), " buckets for ",
                                             spec.buckets.size(), " (version mismatch?)"));
