@@ -351,10 +351,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     act_paged: list[int] = []  # the activation pager's cumulative bytes, before each step
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    retries0, retries = 0, []  # the allocator's retries before the steps, and in each step
+    retries: list[int] = []  # the caching allocator's retries in each step
+    retries_seen = 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-        retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        retries_seen = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
@@ -385,7 +386,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         opt.zero_grad(set_to_none=True)
         sync()
         if cuda:
-            retries.append(torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 - sum(retries))
+            now = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            retries.append(now - retries_seen)
+            retries_seen = now
         if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
             end_profile(prof, a.mode)
             continue
@@ -437,7 +440,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
         # Times the caching allocator hit the cap, freed its cache (cudaFree: a device sync) and
         # retried, over the timed steps: a run planned close to its cap pays for each.
-        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if cuda else None,
+        alloc_retries=sum(retries) if cuda else None,
         alloc_retries_per_step=retries if cuda else None,
         plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
         offload_final=str(getattr(session, "offload", None)),

@@ -52,14 +52,15 @@ def check(model: Any, opt: Any, batches: list[Any], autocast: bool) -> dict[str,
             losses.append(loss.item())
         return losses
 
-    index: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    index: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []  # name, dtype, shape, bytes
     rss0, t = _rss_anon(), time.time()
     with open(weights, "wb") as f:
         for k, v in model.state_dict(keep_vars=False).items():
             host = v.detach().to("cpu").contiguous()
-            f.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
-            index.append((k, host.dtype, tuple(host.shape)))
-            del host
+            raw = host.reshape(-1).view(torch.uint8)
+            f.write(raw.numpy())  # the tensor's own bytes, no second copy
+            index.append((k, host.dtype, tuple(host.shape), raw.numel()))
+            del host, raw
     with open(state, "wb") as f:
         written = opt.save_state(f)
     out: dict[str, Any] = {"save_s": time.time() - t, "save_rss_anon_growth_mib": (_rss_anon() - rss0) / 2**20,
@@ -67,11 +68,12 @@ def check(model: Any, opt: Any, batches: list[Any], autocast: bool) -> dict[str,
     first = two_steps()
     rss0, t = _rss_anon(), time.time()
     with open(weights, "rb") as f:
-        for k, dtype, shape in index:
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            host = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).view(dtype).reshape(shape)
-            model.load_state_dict({k: host}, strict=False)
-            del host
+        for k, dtype, shape, n in index:
+            raw = torch.empty(n, dtype=torch.uint8)
+            if f.readinto(raw.numpy()) != n:
+                raise EOFError(f"{weights} ends inside {k}")
+            model.load_state_dict({k: raw.view(dtype).reshape(shape)}, strict=False)
+            del raw
     with open(state, "rb") as f:
         opt.load_state(f)
     out.update(restore_s=time.time() - t, restore_rss_anon_growth_mib=(_rss_anon() - rss0) / 2**20)
