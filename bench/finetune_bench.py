@@ -327,6 +327,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora
     session = None
+    # The trainer's host memory before wrap() (the model built, CUDA up): the base that
+    # check_memory's host_bytes (tsd's regions and the client's own needs) is added to.
+    host_before_wrap = benchlib.pss_bytes(os.getpid())
     if a.mode in TSD_MODES:
         import trainstream
 
@@ -428,6 +431,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
                     paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
     events = list(getattr(session, "events", []) or [])
+    mplan = getattr(session, "memory_plan", None)
+    if mplan is not None and host_before_wrap is not None:
+        host.update(host_pss_before_wrap_gib=host_before_wrap / 2**30,
+                    check_memory_host_gib=mplan.host_bytes / 2**30,
+                    check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
         clip=a.clip, step_s_median=med(times), steps=times,
@@ -684,11 +692,18 @@ VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "
               "data_wait_ms": "data_wait_ms", "unwrap_s": "unwrap_s", "unwrap_failed": "unwrap_failed",
               "save_s": "save_s", "restore_s": "restore_s", "saved_gib": "saved_gib", "resume_exact": "resume_exact",
               "save_rss_anon_growth_mib": "save_rss_anon_growth_mib",
-              "restore_rss_anon_growth_mib": "restore_rss_anon_growth_mib"}
+              "restore_rss_anon_growth_mib": "restore_rss_anon_growth_mib",
+              "host_pss_before_wrap_gib": "host_pss_before_wrap_gib", "check_memory_host_gib": "check_memory_host_gib",
+              "check_memory_room_gib": "check_memory_room_gib"}
 
 
-def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:
-    """(status, reason, values, raw line) of a finished child."""
+def outcome(run: benchlib.ChildRun, tsd_pss_before: Optional[int] = None
+            ) -> tuple[str, Optional[str], dict[str, Any], dict[str, Any]]:
+    """(status, reason, values, raw line) of a finished child. With `tsd_pss_before` (the
+    daemon's PSS before the child started) and the child's check_memory figures, the values
+    carry the host bound check_memory implied (`host_check_bound_gib`: the trainer before wrap()
+    plus tsd before the run plus the host_bytes it computed) and whether the sampled host peak
+    stayed within it (`host_within_check`, 1 or 0)."""
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("@@")]
     if run.returncode != 0 or not lines:
         text = (run.stderr or run.stdout or f"exit status {run.returncode}").strip()
@@ -699,6 +714,10 @@ def outcome(run: benchlib.ChildRun) -> tuple[str, Optional[str], dict[str, Any],
     raw = json.loads(lines[-1][2:])
     values = {VALUE_KEYS[k]: v for k, v in raw.items() if k in VALUE_KEYS and v is not None}
     values.update(run.values())
+    if tsd_pss_before is not None and "check_memory_host_gib" in values and "host_pss_peak_gib" in values:
+        bound = values["host_pss_before_wrap_gib"] + tsd_pss_before / 2**30 + values["check_memory_host_gib"]
+        values["host_check_bound_gib"] = bound
+        values["host_within_check"] = int(values["host_pss_peak_gib"] <= bound)
     return "ok", None, values, raw
 
 
@@ -841,9 +860,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
                 continue
             tsd = base_mode(mode) in TSD_MODES
+            tsd_pss_before = benchlib.pss_bytes(daemon_pid) if tsd and daemon_pid else None
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
                                        (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
-            status, reason, values, raw = outcome(run)
+            status, reason, values, raw = outcome(run, tsd_pss_before)
             if status == "failed":  # the whole traceback, for the log of the run
                 print(f"{mode} failed; the end of its output:\n" + "\n".join(
                     (run.stderr or run.stdout).strip().splitlines()[-150:]), file=sys.stderr, flush=True)
@@ -862,7 +882,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ratios = [f"step:{m}" for m in peers if m in a.modes_list]
     ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
-        a.modes_list)], "cols": ["step,vram,vram_device,host,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
+        a.modes_list)], "cols": ["step,vram,vram_device,host,host_bound,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
           f"{a.repeats} round(s); recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))

@@ -57,7 +57,8 @@ MIN_RUNS = 3
 
 ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device": "vram_device_peak_gib",
            "host": "host_pss_peak_gib", "tsd": "tsd_used_gib", "tsd_peak": "tsd_used_peak_gib", "rss": "rss_peak_gib",
-           "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step"}
+           "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step",
+           "host_bound": "host_check_bound_gib", "host_ok": "host_within_check"}
 HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
            "tsd_used_gib": "tsd used GiB", "tsd_used_peak_gib": "tsd used GiB (peak)", "rss_peak_gib": "peak RSS GiB",
@@ -68,7 +69,8 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "share_of_bound": "share of the bound", "bound_gparam_per_s": "bound Gparam/s", "note": "note",
            "save_s": "save s", "restore_s": "restore s", "saved_gib": "saved GiB", "unwrap_s": "unwrap() s",
            "resume_exact": "resumed bit-identically (1 = yes)", "save_rss_anon_growth_mib": "RssAnon growth, save MiB",
-           "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB"}
+           "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB",
+           "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",

@@ -89,6 +89,7 @@ class Session:
         self.act_pager: Optional[ActivationPager] = None  # with activation_offload=
         self.pager: Optional[WeightPager] = None  # with param_offload= (TrainStream's name for it)
         self.planner: Any = None  # param_offload="auto": the blockplan.MemoryPlanner the pager consults each step
+        self.memory_plan: Any = None  # planner.Plan: what check_memory computed at wrap() (host_bytes of host_room)
         self.moment_dtype = "float32"  # set by wrap()
         self.state_bytes = 0
         self.events: list[str] = []  # human-readable decisions, for logs and tests

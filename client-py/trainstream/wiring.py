@@ -446,6 +446,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.dp, session.offload = dp, True  # the node's ranks share tsd's optimizer: no switch to stock
         dp.broadcast_parameters([p for p, _, _ in prep.buckets])
     session.moment_dtype = plan.moment_dtype
+    session.memory_plan = plan
     session.state_bytes = handle.state_bytes if handle is not None else 0
     work = prep.work
     share = gpushare.install(session, prep.gpu, len(prep.groups), work,

@@ -194,6 +194,10 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert "Self CPU" in (tmp_path / "profile" / "profile-tsd.txt").read_text()
     assert (tmp_path / "profile" / "profile-tsd.json.gz").stat().st_size > 0
     assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
+    # The host bound check_memory implied (the trainer before wrap(), tsd before the run, the
+    # host_bytes it computed) is recorded beside the sampled peak.
+    assert v["check_memory_host_gib"] > 0 and v["host_pss_before_wrap_gib"] > 0
+    assert v["host_check_bound_gib"] > v["check_memory_host_gib"] and v["host_within_check"] in (0, 1)
     assert v["rss_peak_gib"] > 0 and "vram_torch_peak_gib" not in v  # no GPU: no VRAM figure rather than a zero
     # --save-restore: the two steps trained again after restoring gave the same losses, bit for bit.
     assert v["resume_exact"] == 1 and v["saved_gib"] > 0 and v["save_s"] > 0 and v["restore_s"] > 0
