@@ -860,6 +860,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
                 continue
             tsd = base_mode(mode) in TSD_MODES
+            if client is not None:  # tsd frees a finished (or failed) child's job after it goes: wait for that
+                deadline = time.time() + 120
+                while client.status().used_bytes > 0 and time.time() < deadline:
+                    time.sleep(0.5)
             tsd_pss_before = benchlib.pss_bytes(daemon_pid) if tsd and daemon_pid else None
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
                                        (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
