@@ -393,7 +393,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             retries.append(now - retries_seen)
             retries_seen = now
         if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
-            end_profile(prof, a.mode)
+            end_profile(prof, a.entry or a.mode)  # the --modes entry: MODE and MODE:uncapped apart
             continue
         times.append(time.perf_counter() - t)
         if cuda:
@@ -434,7 +434,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     mplan = getattr(session, "memory_plan", None)
     if mplan is not None and host_before_wrap is not None:
         host.update(host_pss_before_wrap_gib=host_before_wrap / 2**30,
-                    check_memory_host_gib=mplan.host_bytes / 2**30,
+                    # wrap()'s host bytes and the activation pages checked after the first step
+                    check_memory_host_gib=(mplan.host_bytes + int(getattr(session, "activation_host_bytes", 0))) / 2**30,
                     check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
@@ -645,6 +646,7 @@ def option_value(text: Any) -> Any:
 
 
 def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
+    entry = mode
     mode, a = mode_settings(mode, a)
     common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
     clip = ["--clip", str(a.clip)] if a.clip else []
@@ -661,7 +663,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []), *(["--save-restore"] if a.save_restore else []),
-            *(["--profile-step", str(a.profile_step)] if a.profile_step else []),
+            *(["--profile-step", str(a.profile_step), "--entry", entry] if a.profile_step else []),
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction,
             *(["--loader-workers", str(a.loader_workers)] if a.loader_workers else [])]
 
@@ -773,6 +775,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     help="tsd and local modes: profile this step (1-based) with torch.profiler, print its top operations "
                          "to stderr and write a Chrome trace to $TSD_BENCH_PROFILE_DIR; the step is left out of "
                          "the figures (default 0: none)")
+    ap.add_argument("--entry", default="", help=argparse.SUPPRESS)  # a child's --modes entry, for file names
     ap.add_argument("--save-restore", action="store_true",
                     help="tsd modes: after the timed steps, save model and optimizer state streaming, train 2 steps, "
                          "restore, train the same 2 steps again and record whether the losses are bit-identical")

@@ -84,12 +84,14 @@ class Session:
         self.owns_client = owns_client
         self.max_grad_norm = float(options["max_grad_norm"] or 0.0)
         self.accumulation_steps = int(options["accumulation_steps"])
+        self.check_memory = bool(options.get("check_memory", True))
         self.offload = options["offload"]
         self.param_dtype = options.get("param_dtype")
         self.act_pager: Optional[ActivationPager] = None  # with activation_offload=
         self.pager: Optional[WeightPager] = None  # with param_offload= (TrainStream's name for it)
         self.planner: Any = None  # param_offload="auto": the blockplan.MemoryPlanner the pager consults each step
         self.memory_plan: Any = None  # planner.Plan: what check_memory computed at wrap() (host_bytes of host_room)
+        self.activation_host_bytes = 0  # activation pages the first step's check admitted (optim.check_activation_host)
         self.moment_dtype = "float32"  # set by wrap()
         self.state_bytes = 0
         self.events: list[str] = []  # human-readable decisions, for logs and tests

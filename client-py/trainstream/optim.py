@@ -12,7 +12,7 @@ import torch
 from . import _state, gpushare, planner
 from ._state_checks import check_state_dict
 from .engine import ParamSlots, Session
-from .errors import TsdError
+from .errors import MemoryCheckFailed, Refusal, TsdError
 from .paging.activations import ActivationProfiler, page_blocks
 from .progress import Progress
 
@@ -377,6 +377,8 @@ def decide_activation_offload(session: Session) -> None:
                     why=" (activation_offload=auto after the first step: it paged them beside every block's weights "
                         "to fit a tight budget, and they stay paged so that the weight planner's measured peak holds)",
                     min_bytes=prof.min_bytes)
+        arena = session.arena
+        check_activation_host(session, arena.capacity_bytes if arena is not None else 0)
         return
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
@@ -398,6 +400,29 @@ def decide_activation_offload(session: Session) -> None:
         return
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                 why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
+    check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
+
+
+def check_activation_host(session: Session, nbytes: int) -> None:
+    """check_memory's second half, after the first step: the activation pages it chose (`nbytes`,
+    lent by tsd from the node's RAM) on top of the host memory wrap() counted (`Plan.host_bytes`)
+    must stay within what wrap() found this process may take (`Plan.host_room`). Records them in
+    `session.activation_host_bytes`; raises MemoryCheckFailed naming each part when they do not
+    fit (the step that measured them has completed: the model and optimizer state are intact)."""
+    session.activation_host_bytes = int(nbytes)
+    plan = session.memory_plan
+    if plan is None or plan.host_room is None or not session.check_memory:
+        return
+    need = plan.host_bytes + session.activation_host_bytes
+    if need <= plan.host_room:
+        return
+    fmt = planner.format_bytes
+    message = (f"the node's host RAM cannot hold this run's activation pages: the first step paged "
+               f"{fmt(session.activation_host_bytes)} of saved activations, on top of the {fmt(plan.host_bytes)} wrap() "
+               f"counted (tsd's regions and the client's own needs), {fmt(need)} of the {fmt(plan.host_room)} this "
+               f"process may take. Lower the batch or the sequence length, use gradient checkpointing, or free host "
+               f"memory; wrap(check_memory=False) skips this check")
+    raise MemoryCheckFailed(message, [Refusal("host", need, plan.host_room, message)])
 
 
 def stock_adamw_fits(session: Session) -> tuple[bool, str]:

@@ -458,3 +458,29 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
         out[usable] = (losses, [p.detach().clone() for p in model.parameters()])
     (l0, p0), (l1, p1) = out[1 << 40], out[1 << 20]
     assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def test_activation_pages_are_checked_against_the_host_ram_after_the_first_step():
+    """check_memory's second half: the activation pages the first step chose, on top of the host
+    memory wrap() counted, must fit what wrap() found this process may take; a run that does not
+    is refused naming both parts, and one that does records them (the benchmark's host bound)."""
+    from types import SimpleNamespace
+
+    from trainstream.optim import check_activation_host
+
+    plan = SimpleNamespace(host_bytes=80 * GiB, host_room=96 * GiB)
+    s = SimpleNamespace(memory_plan=plan, check_memory=True, activation_host_bytes=0)
+    check_activation_host(s, 12 * GiB)
+    assert s.activation_host_bytes == 12 * GiB
+    with pytest.raises(trainstream.MemoryCheckFailed) as e:
+        check_activation_host(s, 17 * GiB)
+    assert "17.00 GiB of saved activations" in str(e.value) and "80.00 GiB wrap() counted" in str(e.value)
+    assert "97.00 GiB of the 96.00 GiB" in str(e.value) and "Lower the batch" in str(e.value)
+    (r,) = e.value.refusals
+    assert (r.what, r.needed, r.available) == ("host", 97 * GiB, 96 * GiB)
+    s.check_memory = False  # the user said so: recorded, not refused
+    check_activation_host(s, 17 * GiB)
+    assert s.activation_host_bytes == 17 * GiB
+    s.memory_plan = SimpleNamespace(host_bytes=80 * GiB, host_room=None)  # RAM not measured: nothing to check
+    s.check_memory = True
+    check_activation_host(s, 40 * GiB)
