@@ -108,7 +108,12 @@ def run_cuda(args: argparse.Namespace) -> bool:
         s = trainstream.unwrap_session(model)
         assert s is not None and s.pager is not None
         first = sorted(s.pager.paged)
-        losses = train(model, opt, data(args, "cuda"), args.steps)
+        try:
+            losses = train(model, opt, data(args, "cuda"), args.steps)
+        except torch.OutOfMemoryError:
+            for e in s.events:  # what the planner decided up to here: why it did not fit
+                print(f"  tsd: {e}")
+            raise
         opt.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         final = sorted(s.pager.paged)

@@ -119,9 +119,34 @@ class Budget:
         return max(0, min(self.quota - (self.job_used or 0), self.pool_free))
 
 
+# cuBLAS workspaces a training step makes: torch gives each (cuBLAS handle, stream) pair its own,
+# from the caching allocator, and handles are per thread, so the caller's forward and autograd's
+# device thread (backward) hold one each once they have run a matmul.
+BLAS_WORKSPACES_PER_STEP = 2
+
+
+def blas_workspace_bytes(major: int, config: Optional[str] = None) -> int:
+    """The bytes of one cuBLAS workspace torch allocates on a device of compute capability
+    `major`: `config` is CUBLAS_WORKSPACE_CONFIG (":KIB:COUNT" pairs, e.g. ":4096:8"), else torch's
+    default: 32 MiB from Hopper (9.x) on, as NVIDIA recommends there, and 4096 KiB x 2 + 16 KiB x 8
+    before it. A config that does not parse counts as the default (torch warns about it itself)."""
+    if config:
+        parts = config.split(":")
+        if parts[0] == "" and len(parts) >= 3 and len(parts) % 2 == 1:
+            try:
+                sizes = [int(x) for x in parts[1:]]
+            except ValueError:
+                sizes = []
+            if sizes and all(x >= 0 for x in sizes):
+                return sum(sizes[i] * sizes[i + 1] for i in range(0, len(sizes), 2)) * 1024
+    return 32 * 1024 * 1024 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
+
+
 def measure_device(device: Union[str, torch.device]) -> Budget:
     """The VRAM fields of a budget for `device` (none on a CPU device): `vram_usable` from the
-    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, `vram_free` from
+    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, times VRAM_HEADROOM,
+    less the cuBLAS workspaces a step makes (`blas_workspace_bytes`, BLAS_WORKSPACES_PER_STEP of
+    them: 64 MiB on Hopper, a large share of a small cap); `vram_free` from
     `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -137,7 +162,10 @@ def measure_device(device: Union[str, torch.device]) -> Budget:
     if fraction < 1.0:
         # Under a per-process cap, this process can take at most the cap less what its allocator holds.
         free = min(free, max(0, int(total * fraction) - torch.cuda.memory_reserved(dev)))
-    return Budget(vram_total=total, vram_usable=int(total * min(fraction, 1.0) * VRAM_HEADROOM), vram_free=free)
+    props = torch.cuda.get_device_properties(dev)
+    blas = BLAS_WORKSPACES_PER_STEP * blas_workspace_bytes(props.major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    usable = max(0, int(total * min(fraction, 1.0) * VRAM_HEADROOM) - blas)
+    return Budget(vram_total=total, vram_usable=usable, vram_free=free)
 
 
 # unwrap() gives weights back to the device only when they take at most this share of its room.
@@ -426,7 +454,7 @@ def _refusals(p: Plan, auto: bool) -> list[Refusal]:
                 f"{format_bytes(d.weights_to_move + d.weights_on_device)}{paged} plus {format_bytes(d.largest_grad)} for "
                 f"the largest gradient in flight{inflight} need {format_bytes(d.vram_resident)}, of "
                 f"{format_bytes(b.vram_usable)} usable ({int(VRAM_HEADROOM * 100)}% of the device's memory under any "
-                f"per-process memory fraction), before any activation. To fit: {'; or '.join(vram_fix)}."))
+                f"per-process memory fraction, less cuBLAS's workspaces), before any activation. To fit: {'; or '.join(vram_fix)}."))
     if p.host_room is not None and p.host_bytes > p.host_room:
         own = ", ".join(f"{what} {format_bytes(n)}" for what, n in d.host_parts)
         fix = ["free host memory (other processes, tsd's other jobs)"]

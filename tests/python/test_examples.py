@@ -91,7 +91,10 @@ def test_finetune_tiny_the_main_job(tsd):
 
 # Each example on the GPU, with what its output must say there.
 ON_CUDA = [
-    ("train_bigger_than_vram.py", ["--device", "cuda", "--width", "512"],  # its optimizer fits the test tsd's pool
+    # Width 512: its optimizer fits the test tsd's 1 GiB pool. The cap, 90% of the 129 MiB of weights,
+    # leaves room for the 64 MiB of cuBLAS workspaces a step makes on Hopper (at 60%, 77 MiB, the
+    # H100 ran out at the backward thread's workspace).
+    ("train_bigger_than_vram.py", ["--device", "cuda", "--width", "512", "--cap-fraction", "0.9"],
      ["are larger than the VRAM cap", "PASS: the loss falls", "stays under the cap"]),
     ("lora_large_model.py", ["--device", "cuda", "--compare", "--steps", "3", "--seq", "16", "--rank", "4"],
      ["PASS: the losses equal the stock Trainer's", "PASS: only the adapters are trained in tsd"]),

@@ -161,3 +161,18 @@ def test_plan_wrap_has_no_side_effects(tsd):
     assert all(torch.equal(a, b) and b.dtype == torch.float32 for a, b in zip(before, model.parameters()))
     with trainstream.connect(socket=tsd.socket) as c:
         assert c.status().jobs == 0 and c.status().used_bytes == 0
+
+
+def test_the_usable_vram_leaves_room_for_cublas_workspaces():
+    """torch gives each (cuBLAS handle, stream) its own workspace and each thread its own handle:
+    forward and autograd's backward thread make two, 32 MiB each from Hopper on (64 MiB: more
+    than half of a 100 MiB cap), which the budget keeps out of what a plan may use."""
+    MiB = 1 << 20
+    assert planner.blas_workspace_bytes(9) == planner.blas_workspace_bytes(10) == 32 * MiB
+    assert planner.blas_workspace_bytes(8) == (4096 * 2 + 16 * 8) * 1024
+    assert planner.blas_workspace_bytes(9, ":4096:8") == 32 * MiB
+    assert planner.blas_workspace_bytes(8, ":16:8") == 128 * 1024
+    assert planner.blas_workspace_bytes(9, ":4096:2:16:8") == (4096 * 2 + 16 * 8) * 1024
+    for bad in (":4096", "4096:8", ":x:8", ":4096:-1"):  # torch warns and uses its default: so do we
+        assert planner.blas_workspace_bytes(9, bad) == 32 * MiB
+    assert planner.BLAS_WORKSPACES_PER_STEP == 2
