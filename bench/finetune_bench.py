@@ -21,7 +21,8 @@ Modes, each run in its own process so peaks do not mix:
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
 A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped, in the same run);
-MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry (variants
+MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry, and
+MODE:alloc=expandable runs it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (variants
 chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.
 --param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
 (wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
@@ -615,9 +616,15 @@ def base_mode(mode: str) -> str:
     return mode.split(":")[0]
 
 
+# MODE:alloc=NAME: the child runs with PYTORCH_CUDA_ALLOC_CONF set so (torch's caching allocator:
+# expandable segments grow one mapping instead of caching fixed segments, which fragment near a cap).
+ALLOC_CONFS = {"expandable": "expandable_segments:True"}
+
+
 def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
     """The mode of a --modes entry and the settings it runs with: MODE, then any of :uncapped
-    (no --cap-gib), :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), e.g.
+    (no --cap-gib), :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), :alloc=expandable
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the child's environment), e.g.
     tsd_bf16_act:overlap=off beside tsd_bf16_act in one run. Raises ValueError for anything else."""
     name, *variants = mode.split(":")
     over: dict[str, Any] = {}
@@ -630,8 +637,11 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
         elif key == "gpu" and eq:
             option_value(value)  # a number or auto
             over["gpu_fraction"] = value
+        elif key == "alloc" and value in ALLOC_CONFS:
+            over["alloc_conf"] = ALLOC_CONFS[value]
         else:
-            raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, overlap=on|off, gpu=F|auto)")
+            raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, overlap=on|off, gpu=F|auto, "
+                             f"alloc={'|'.join(ALLOC_CONFS)})")
     return name, argparse.Namespace(**{**vars(a), **over})
 
 
@@ -672,7 +682,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     mode, a = mode_settings(mode, a)
     w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
                          "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
-                         "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {})}
+                         "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {}),
+                         **({"alloc_conf": a.alloc_conf} if getattr(a, "alloc_conf", None) else {})}
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
@@ -868,8 +879,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 while client.status().used_bytes > 0 and time.time() < deadline:
                     time.sleep(0.5)
             tsd_pss_before = benchlib.pss_bytes(daemon_pid) if tsd and daemon_pid else None
+            conf = getattr(mode_settings(mode, a)[1], "alloc_conf", None)
             run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
-                                       (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu)
+                                       (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu,
+                                       env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else None)
             status, reason, values, raw = outcome(run, tsd_pss_before)
             if status == "failed":  # the whole traceback, for the log of the run
                 print(f"{mode} failed; the end of its output:\n" + "\n".join(

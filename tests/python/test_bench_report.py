@@ -290,3 +290,18 @@ def test_tiny_cpu_stores_run_records_four_jobs_on_one_store(tmp_path):
     assert 0 < v["tsd_one_job_gib"] <= v["tsd_four_jobs_gib"]
     assert len(v["trainer_own_pss_gib"]) == 4 and all(x > 0 for x in v["trainer_own_pss_gib"])
     assert ok["workload"]["jobs"] == 4 and ok["workload"]["device"] == "cpu"
+
+
+def test_mode_variants_set_the_entrys_settings():
+    """A --modes entry's variants change only that entry's settings: :uncapped drops the cap,
+    :alloc=expandable runs the child with torch's expandable segments (and the record says so)."""
+    import finetune_bench as fb
+
+    a = fb.parse_args(["--cap-gib", "4", "--device", "cpu"])
+    name, s = fb.mode_settings("tsd_bf16m_act:uncapped:alloc=expandable", a)
+    assert name == "tsd_bf16m_act" and s.cap_gib == 0 and s.alloc_conf == "expandable_segments:True"
+    assert a.cap_gib == 4 and not hasattr(a, "alloc_conf")  # the run's own settings are untouched
+    assert fb.workload("tsd_bf16m_act:alloc=expandable", a, {})["alloc_conf"] == "expandable_segments:True"
+    assert "alloc_conf" not in fb.workload("tsd_bf16m_act", a, {})
+    with pytest.raises(ValueError, match="alloc=expandable"):
+        fb.mode_settings("tsd:alloc=bogus", a)
