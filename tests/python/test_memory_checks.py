@@ -484,3 +484,48 @@ def test_activation_pages_are_checked_against_the_host_ram_after_the_first_step(
     s.memory_plan = SimpleNamespace(host_bytes=80 * GiB, host_room=None)  # RAM not measured: nothing to check
     s.check_memory = True
     check_activation_host(s, 40 * GiB)
+
+
+class _ShortHost:
+    """A host that lends `room` bytes, then refuses as tsd does when the job's quota is full."""
+
+    def __init__(self, room):
+        from trainstream.memory import PinnedHost
+        self.inner, self.room, self.capacity_bytes = PinnedHost(pin=False), room, 0
+
+    def alloc(self, nbytes):
+        if self.capacity_bytes + nbytes > self.room:
+            raise trainstream.QuotaExceeded(f"tsd cannot lend {nbytes} bytes more for activation paging; quota full")
+        self.capacity_bytes += nbytes
+        return self.inner.alloc(nbytes)
+
+
+def test_paging_profiler_keeps_on_the_device_what_tsd_cannot_lend():
+    """The first step of a tight budget pages every block's activations; when tsd's quota runs out
+    in it, the rest stay on the device (the step completes, gradients bit-identical), and the
+    decision after it pages only the blocks tsd held whole, saying which stayed and why."""
+    from types import SimpleNamespace
+
+    from trainstream.optim import decide_activation_offload
+
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    per_block = 4 * (32 * 64 + 2 * 32 * 256)
+    host = _ShortHost(room=per_block + per_block // 2)  # block 0 whole, half of block 1
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", min_bytes=1, page=True, host=host)
+    prof.install()
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert prof.block_bytes == [per_block] * 4  # measured whole, paged or not
+    assert prof.short == {1, 2, 3} and "quota full" in prof.out_of_room
+    assert 3 <= prof.paged_tensors < 12
+    s = SimpleNamespace(act_pager=prof, arena=host, device=torch.device("cpu"), pager=None, events=[],
+                        memory_plan=None, check_memory=True, activation_host_bytes=0)
+    decide_activation_offload(s)
+    assert s.act_pager is not prof and [b for b in s.act_pager.blocks] == [model.layers[0]]
+    assert "blocks 1-3 (3) stay on the device: tsd could lend no more" in s.events[-1], s.events
+    assert s.activation_host_bytes == host.capacity_bytes
+    s.act_pager.remove()

@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..errors import QuotaExceeded
 from ..memory import HostBlock, HostMemory, PinnedHost
 from ..units import block_ranges
 
@@ -248,7 +249,10 @@ class ActivationProfiler(ActivationPager):
     weights, each once). `block_bytes[i]` is block i's largest forward (one micro-batch) so far.
     Installed and removed like the pager (it is one). With `page=False` it keeps every tensor; with
     `page=True` it also pages what it measures into `host` (a first step that must fit a tight
-    budget: the weight planner pages every block's weights in it too)."""
+    budget: the weight planner pages every block's weights in it too). When `host` cannot lend more
+    (tsd's quota or pool is full: QuotaExceeded), the rest of the step's tensors stay on the device
+    instead of failing the step: `out_of_room` keeps tsd's message and `short` the blocks not
+    wholly paged, so the decision after the step pages only blocks that fit."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
                  name: Optional[str] = None, min_bytes: int = _MIN_BYTES, page: bool = False,
@@ -261,6 +265,8 @@ class ActivationProfiler(ActivationPager):
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
         self._seen: dict[tuple, torch.Tensor] = {}   # what the running forward saved (counted once)
         self.forwards = 0
+        self.out_of_room: Optional[str] = None  # page=True: tsd's refusal, once the host could lend no more
+        self.short: set[int] = set()  # page=True: blocks with a measured tensor left on the device
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         super()._enter(module, args)
@@ -284,7 +290,15 @@ class ActivationProfiler(ActivationPager):
             self._seen[key] = t
             i, n = self._running[-1]
             self._running[-1] = (i, n + t.numel() * t.element_size())
-        return super().pack(t) if self.paging else t
+        if not self.paging:
+            return t
+        if self.out_of_room is None:
+            try:
+                return super().pack(t)
+            except QuotaExceeded as e:  # tsd can lend no more: the rest stays on the device this step
+                self.out_of_room = str(e)
+        self.short.add(self._running[-1][0])
+        return t
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
