@@ -865,6 +865,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 daemon = start_daemon(a)
             client = trainstream.connect(socket=a.socket)
         daemon_pid = client.status().pid if client is not None else None
+        # What tsd lends before any mode runs (other jobs, with --socket): the level a mode's job leaves it at.
+        idle_used = client.status().used_bytes if client is not None else 0
         want_stream = a.stream == "on" or (a.stream == "auto" and a.device == "cuda")
         measured_stream = measure_stream(a, rec) if client is not None and want_stream else None
         for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set):
@@ -876,7 +878,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             tsd = base_mode(mode) in TSD_MODES
             if client is not None:  # tsd frees a finished (or failed) child's job after it goes: wait for that
                 deadline = time.time() + 120
-                while client.status().used_bytes > 0 and time.time() < deadline:
+                while client.status().used_bytes > idle_used and time.time() < deadline:
                     time.sleep(0.5)
             tsd_pss_before = benchlib.pss_bytes(daemon_pid) if tsd and daemon_pid else None
             conf = getattr(mode_settings(mode, a)[1], "alloc_conf", None)
