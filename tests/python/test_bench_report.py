@@ -305,3 +305,17 @@ def test_mode_variants_set_the_entrys_settings():
     assert "alloc_conf" not in fb.workload("tsd_bf16m_act", a, {})
     with pytest.raises(ValueError, match="alloc=expandable"):
         fb.mode_settings("tsd:alloc=bogus", a)
+
+
+def test_the_host_bound_is_the_trainer_before_wrap_plus_tsd_before_plus_what_check_memory_counted():
+    run = benchlib.ChildRun()
+    raw = {"step_s_median": 1.0, "host_pss_before_wrap_gib": 15.0, "check_memory_host_gib": 98.0}
+    run.stdout = "@@" + json.dumps(raw)
+    run.host_pss_peak = int(112.7 * 2**30)
+    status, _, values, _ = finetune_bench.outcome(run, tsd_pss_before=2**30 // 4)
+    assert status == "ok" and values["host_check_bound_gib"] == 15.0 + 0.25 + 98.0
+    assert values["host_within_check"] == 1
+    run.host_pss_peak = int(114 * 2**30)
+    assert finetune_bench.outcome(run, tsd_pss_before=2**30 // 4)[2]["host_within_check"] == 0
+    # Without tsd's baseline (a peer, or an old record) no bound is claimed.
+    assert "host_check_bound_gib" not in finetune_bench.outcome(run)[2]
