@@ -1,0 +1,305 @@
+"""One measured mode of `finetune_bench.py`, run in its own process (`finetune_bench.py --mode
+MODE ...`): builds the model, wraps it through tsd (or runs a local peer), times the steps with
+CUDA events, optionally profiles one step and saves and restores, and prints its figures as one
+`@@{json}` line for the parent. Also `--run-capped`, which runs a peer script under a VRAM cap."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import runpy
+import sys
+import tempfile
+import time
+from typing import Any
+
+import benchlib
+import stream
+from finetune_model import build_model, host_built
+from finetune_modes import LORA_MODES, TSD_MODES, option_value
+
+def run_tsd_mode(a: argparse.Namespace) -> None:
+    """One tsd mode, or a peer this script runs itself (bnb_qlora), in this process; prints
+    @@{json} like peers.py does."""
+    import torch
+
+    cuda = a.device == "cuda"
+    history = os.environ.get("TSD_BENCH_MEMORY_HISTORY")  # a folder: the allocator's history, dumped on failure
+    if cuda and history:
+        # Python frames only, and a bounded history: the snapshot of a 14B run with C++ frames was
+        # too large to bring back from the GPU machine.
+        torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    try:
+        _run_mode(a, cuda)
+    except BaseException:
+        # Where it failed and what tsd's planner had decided by then, then (with a history) what
+        # held the device's memory: the parent prints the end of this output.
+        print(f"{a.mode} failed at step {_PROGRESS['step']} ({_PROGRESS['phase']}); the session's events:",
+              file=sys.stderr)
+        for e in list(getattr(_PROGRESS["session"], "events", []) or [])[-30:]:
+            print(f"  {e}", file=sys.stderr)
+        if cuda and history:
+            import memory_summary
+
+            os.makedirs(history, exist_ok=True)
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with open(os.path.join(history, f"{a.mode.replace(':', '_')}-failed.pickle"), "wb") as f:
+                pickle.dump(snapshot, f)
+            print(memory_summary.summarize(snapshot, top=30, trace=25, depth=3), file=sys.stderr)
+        sys.stderr.flush()
+        raise
+
+
+# Where the running mode is (step, phase, its session), for the report of a failure.
+_PROGRESS: dict[str, Any] = {"step": 0, "phase": "setup", "session": None}
+
+
+def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
+    import torch
+
+    if a.cap_gib:
+        torch.cuda.set_per_process_memory_fraction(a.cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    t0 = time.time()
+    lora = a.mode in LORA_MODES
+    model, vocab = build_model(a, a.mode)
+    n_params = sum(p.numel() for p in model.parameters())  # before wrap(): paged weights leave placeholders
+    if not host_built(a, a.mode):
+        model = model.to(a.device)
+    param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
+    moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
+    activation_offload = option_value(a.activation_offload) if a.mode.endswith("_act") else False
+    param_offload = option_value(a.param_offload) if a.param_offload else False
+    stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
+    autocast = cuda and not lora
+    session = None
+    # The trainer's host memory before wrap() (the model built, CUDA up): the base that
+    # check_memory's host_bytes (tsd's regions and the client's own needs) is added to.
+    host_before_wrap = benchlib.pss_bytes(os.getpid())
+    if a.mode in TSD_MODES:
+        import trainstream
+
+        model, opt = trainstream.wrap(model, stock_opt, device=a.device, socket=a.socket,
+                                      offload=option_value(a.offload),
+                                      moment_dtype=moment_dtype, param_dtype=param_dtype,
+                                      activation_offload=activation_offload, param_offload=param_offload,
+                                      max_grad_norm=a.clip or None, overlap_forward=a.overlap == "on",
+                                      optimizer_gpu_fraction=option_value(a.gpu_fraction))
+        session = trainstream.unwrap_session(model)
+        _PROGRESS["session"] = session
+        clip = None
+    else:  # a peer: torch's AdamW on the GPU, clipping as Hugging Face's Trainer does
+        opt = stock_opt
+        trained = [p for p in model.parameters() if p.requires_grad]
+        clip = (lambda: torch.nn.utils.clip_grad_norm_(trained, a.clip)) if a.clip else None
+    setup_s = time.time() - t0
+    ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
+    loader = iter(random_token_loader(a, vocab)) if a.loader_workers else None
+    data_ms: list[float] = []
+    act_pager = getattr(session, "act_pager", None)
+    act_paged: list[int] = []  # the activation pager's cumulative bytes, before each step
+    times, fwd_ms, bwd_ms, step_ms = [], [], [], []
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    retries: list[int] = []  # the caching allocator's retries in each step
+    retries_seen = 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        retries_seen = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for step in range(a.steps):
+        _PROGRESS.update(step=step + 1, phase="forward")
+        sync()
+        prof = start_profile(cuda) if step + 1 == a.profile_step else None
+        t = time.perf_counter()
+        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        if loader is not None:  # the next batch from the workers (the wait counts in the step)
+            ids = next(loader).to(a.device, non_blocking=True)
+            data_ms.append((time.perf_counter() - t) * 1e3)
+        if cuda:
+            ev[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        if cuda:
+            ev[1].record()
+        tb = time.perf_counter()
+        _PROGRESS["phase"] = "backward"
+        loss.backward()
+        if cuda:
+            ev[2].record()
+        ts = time.perf_counter()
+        _PROGRESS["phase"] = "optimizer step"
+        if clip is not None:
+            clip()
+        opt.step()
+        step_ms.append((time.perf_counter() - ts) * 1e3)
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if cuda:
+            now = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            retries.append(now - retries_seen)
+            retries_seen = now
+        if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
+            end_profile(prof, a.entry or a.mode)  # the --modes entry: MODE and MODE:uncapped apart
+            continue
+        times.append(time.perf_counter() - t)
+        if cuda:
+            fwd_ms.append(ev[0].elapsed_time(ev[1]))
+            bwd_ms.append(ev[1].elapsed_time(ev[2]))
+        else:  # wall time: the CPU runs forward and backward synchronously
+            fwd_ms.append((tb - t) * 1e3)
+            bwd_ms.append((ts - tb) * 1e3)
+
+    def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count) as peers.py takes it
+        tail = xs[2:] or xs
+        return sorted(tail)[len(tail) // 2]
+
+    held = 0
+    if session is not None:
+        import trainstream
+
+        with trainstream.connect(socket=a.socket) as c:
+            job = getattr(getattr(session, "client", None), "job", None)
+            held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
+    pager = getattr(session, "pager", None)
+    handle = getattr(session, "handle", None)
+    host: dict[str, Any] = {}
+    if session is not None:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        moments = str(getattr(opt, "moment_dtype", moment_dtype))
+        per = stream.host_bytes_per_param(trained[0].element_size() if trained else 4,
+                                          trained[0].element_size() if trained else 4,
+                                          2 if moments == "bfloat16" else 4, bool(a.clip))
+        n_trained = sum(p.numel() for p in trained)
+        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
+        paging = 2 * med([float(x) for x in act_steps]) if act_steps else 0.0  # out and back
+        paging += pager.moved_bytes / a.steps if pager is not None else 0.0
+        host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
+                    paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
+    events = list(getattr(session, "events", []) or [])
+    mplan = getattr(session, "memory_plan", None)
+    if mplan is not None and host_before_wrap is not None:
+        host.update(host_pss_before_wrap_gib=host_before_wrap / 2**30,
+                    # wrap()'s host bytes and the activation pages checked after the first step
+                    check_memory_host_gib=(mplan.host_bytes + int(getattr(session, "activation_host_bytes", 0))) / 2**30,
+                    check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
+    record = dict(
+        mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
+        clip=a.clip, step_s_median=med(times), steps=times,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
+        setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
+        param_dtype=str(param_dtype), activation_offload=activation_offload,
+        paged_gib_per_step=(pager.moved_bytes / a.steps / 2**30 if pager is not None else 0.0),
+        paged_blocks=(len(pager.paged) if pager is not None else 0),
+        blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
+        reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+        # Times the caching allocator hit the cap, freed its cache (cudaFree: a device sync) and
+        # retried, over the timed steps: a run planned close to its cap pays for each.
+        alloc_retries=sum(retries) if cuda else None,
+        alloc_retries_per_step=retries if cuda else None,
+        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
+        offload_final=str(getattr(session, "offload", None)),
+        gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
+        isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,
+        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)
+    if session is not None and a.save_restore:
+        _PROGRESS["phase"] = "save and restore"
+        try:  # a failure here is recorded beside the steps' figures, as unwrap()'s is
+            import save_restore
+
+            batches = save_restore.fixed_batches(vocab, a.batch, a.seq, a.device)
+            record.update(save_restore.check(model, opt, batches, autocast))
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            record["resume_exact"] = 0
+            record["save_restore_failed"] = 1
+    if session is not None:
+        # unwrap() is part of the run (a model handed back must fit where it goes back); a failure
+        # there is reported beside the steps' figures instead of discarding them.
+        import traceback
+
+        import trainstream
+
+        _PROGRESS["phase"] = "unwrap"
+        t_unwrap = time.time()
+        try:
+            trainstream.unwrap(model)
+            record["unwrap_s"] = time.time() - t_unwrap
+            record["unwrap_failed"] = 0
+        except Exception:
+            traceback.print_exc()
+            record["unwrap_failed"] = 1
+        record["unwrap_device"] = str(next(model.parameters()).device)
+    print("@@" + json.dumps(record), flush=True)
+
+
+def start_profile(cuda: bool) -> Any:
+    """A started torch profiler (CPU, and CUDA on a GPU) for `--profile-step`."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=True)  # Python calls in the trace
+    prof.start()
+    return prof
+
+
+def end_profile(prof: Any, mode: str) -> None:
+    """Stops `prof` and writes, into $TSD_BENCH_PROFILE_DIR (default: the temporary folder), the
+    operations by CPU time and by device time (profile-MODE.txt, also printed to stderr) and a
+    gzipped Chrome trace (profile-MODE.json.gz)."""
+    import torch
+
+    prof.stop()
+    folder = os.environ.get("TSD_BENCH_PROFILE_DIR") or tempfile.gettempdir()
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, f"profile-{mode.replace(':', '_')}")
+    prof.export_chrome_trace(base + ".json.gz")
+    table = prof.key_averages()
+    text = f"--profile-step: {mode}; by CPU time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30)
+    if torch.cuda.is_available():
+        text += "\nby device time:\n" + table.table(sort_by="self_device_time_total", row_limit=20)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(text, file=sys.stderr, flush=True)
+
+
+class RandomTokens:
+    """An endless stream of random token batches (what the benchmark trains on), made in a
+    DataLoader's worker processes: each worker draws from its own seed."""
+
+    def __init__(self, vocab: int, batch: int, seq: int) -> None:
+        self.vocab, self.batch, self.seq = vocab, batch, seq
+
+    def __iter__(self) -> Any:
+        import torch
+
+        g = torch.Generator().manual_seed(torch.initial_seed() % 2**63)
+        while True:
+            yield torch.randint(0, self.vocab, (self.batch, self.seq), generator=g)
+
+
+def random_token_loader(a: argparse.Namespace, vocab: int) -> Any:
+    """--loader-workers: a torch DataLoader of `a.loader_workers` worker processes (pinned batches
+    on a GPU run), as a trainer's input pipeline would be."""
+    import torch.utils.data as tud
+
+    class RandomTokenDataset(RandomTokens, tud.IterableDataset):  # type: ignore[misc]
+        pass
+
+    dataset = RandomTokenDataset(vocab, a.batch, a.seq)
+    return tud.DataLoader(dataset, batch_size=None, num_workers=a.loader_workers, pin_memory=a.device == "cuda",
+                          persistent_workers=True, prefetch_factor=2)
+
+
+def run_capped() -> None:
+    """Internal: `--run-capped GIB SCRIPT ARGS...` runs SCRIPT as __main__ under a VRAM cap (for
+    offload_peers.py, which has no --cap-gib of its own)."""
+    import torch
+
+    cap, script, rest = float(sys.argv[2]), sys.argv[3], sys.argv[4:]
+    torch.cuda.set_per_process_memory_fraction(cap * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+    sys.argv = [script, *rest]
+    runpy.run_path(script, run_name="__main__")
