@@ -6,7 +6,7 @@ pager (`trainstream.paging.weights`) asks it three things:
 
 * `initial_paged()`: before the first step, from the budget alone. The usable VRAM (the budget's
   `vram_usable`, at most `VRAM_HEADROOM` of `vram_total`) less what stays outside the blocks
-  (`fixed_vram`: embeddings, head, what the device already holds), less what is in flight
+  (`fixed_vram`: embeddings, head, what the device already holds, cuBLAS's workspaces), less what is in flight
   (`inflight_bytes`: a block's gradients on their way to tsd), less a reserve for the
   activations (`ACTIVATION_RESERVE` of the usable VRAM: the first step has not measured them yet)
   is what the resident blocks may take. When some blocks are paged, `depth + 1` of them are on

@@ -142,11 +142,25 @@ def blas_workspace_bytes(major: int, config: Optional[str] = None) -> int:
     return 32 * 1024 * 1024 if major >= 9 else (4096 * 2 + 16 * 8) * 1024
 
 
+def blas_workspaces(device: Union[str, torch.device]) -> int:
+    """The VRAM of the cuBLAS workspaces a training step on `device` makes (0 on a CPU device):
+    BLAS_WORKSPACES_PER_STEP of `blas_workspace_bytes` (64 MiB on Hopper, a large share of a small
+    cap). They are allocated through torch's caching allocator at the first matmul of each thread,
+    so a measured peak holds them; a plan made before any step must count them itself."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_properties(dev if dev.index is not None else torch.cuda.current_device()).major
+    else:
+        major = 9  # planning for a device this process cannot see: the larger, Hopper-on size
+    return BLAS_WORKSPACES_PER_STEP * blas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
 def measure_device(device: Union[str, torch.device]) -> Budget:
     """The VRAM fields of a budget for `device` (none on a CPU device): `vram_usable` from the
-    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, times VRAM_HEADROOM,
-    less the cuBLAS workspaces a step makes (`blas_workspace_bytes`, BLAS_WORKSPACES_PER_STEP of
-    them: 64 MiB on Hopper, a large share of a small cap); `vram_free` from
+    device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, times VRAM_HEADROOM;
+    `vram_free` from
     `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -162,10 +176,7 @@ def measure_device(device: Union[str, torch.device]) -> Budget:
     if fraction < 1.0:
         # Under a per-process cap, this process can take at most the cap less what its allocator holds.
         free = min(free, max(0, int(total * fraction) - torch.cuda.memory_reserved(dev)))
-    props = torch.cuda.get_device_properties(dev)
-    blas = BLAS_WORKSPACES_PER_STEP * blas_workspace_bytes(props.major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
-    usable = max(0, int(total * min(fraction, 1.0) * VRAM_HEADROOM) - blas)
-    return Budget(vram_total=total, vram_usable=usable, vram_free=free)
+    return Budget(vram_total=total, vram_usable=int(total * min(fraction, 1.0) * VRAM_HEADROOM), vram_free=free)
 
 
 # unwrap() gives weights back to the device only when they take at most this share of its room.
@@ -234,10 +245,11 @@ class Demand:
     quantized: Optional[str] = None
     host_parts: tuple[tuple[str, int], ...] = ()
     gpu_optimizer: int = 0  # the GPU share's masters, moments and gradients (optimizer_gpu_fraction, gpushare.py)
+    blas_workspaces: int = 0  # cuBLAS's workspaces the first step makes (blas_workspaces())
 
     def __post_init__(self) -> None:
         for name in ("parameters", "weights_to_move", "weights_on_device", "largest_grad", "weights_paged",
-                     "paged_region_bytes", "paged_inflight", "frozen_weights", "gpu_optimizer"):
+                     "paged_region_bytes", "paged_inflight", "frozen_weights", "gpu_optimizer", "blas_workspaces"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Demand.{name} is a count (an int >= 0), not {v!r}")
@@ -248,9 +260,10 @@ class Demand:
     @property
     def vram_resident(self) -> int:
         """The VRAM the run needs before its activations: resident weights, the largest gradient
-        in flight, the paged blocks in flight and the GPU share of the optimizer."""
+        in flight, the paged blocks in flight, the GPU share of the optimizer and cuBLAS's
+        workspaces."""
         return (self.weights_to_move + self.weights_on_device + self.largest_grad + self.paged_inflight
-                + self.gpu_optimizer)
+                + self.gpu_optimizer + self.blas_workspaces)
 
     def tsd_bytes(self, moment_dtype: str) -> int:
         """What tsd will lend the job at wrap(): the optimizer's state and the paged weights'
@@ -351,11 +364,12 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
             on_device += nbytes
         else:
             to_move += nbytes
+    blas = blas_workspaces(device)
     in_flight = sorted(sum(sizes.get(i, 0) for i in set(block)) for block in paged_blocks)
     paged_inflight = int(paged_inflight) + sum(in_flight[-2:])
     if may_page and paged_bytes:
         # What must leave the VRAM for the rest to fit; its frozen share is what tsd must hold.
-        resident = to_move + on_device + largest + paged_inflight
+        resident = to_move + on_device + largest + paged_inflight + blas
         must = min(paged_bytes, max(0, resident + paged_bytes - (usable or 0)))
         paged_region = -(-paged_region * must // paged_bytes)
     host: list[tuple[str, int]] = [("streaming buffer (unwrap(), the optimizer's save and restore)", STREAM_BUFFER)]
@@ -368,7 +382,7 @@ def model_demand(model: torch.nn.Module, trainable: Sequence[tuple[torch.Tensor,
                   weights_on_device=on_device if device.type == "cuda" else to_move + on_device,
                   largest_grad=largest, weights_paged=paged_bytes, paged_region_bytes=paged_region,
                   paged_inflight=int(paged_inflight), frozen_weights=frozen, quantized=kind,
-                  host_parts=tuple(host))
+                  host_parts=tuple(host), blas_workspaces=blas)
 
 
 def host_room(budget: Budget) -> Optional[int]:
@@ -448,13 +462,15 @@ def _refusals(p: Plan, auto: bool) -> list[Refusal]:
                 f"{'; or '.join(vram_fix + ['free the device (other processes, cached tensors)'])}."))
         elif b.vram_usable is not None and d.vram_resident > b.vram_usable:
             paged = f" ({format_bytes(d.weights_paged)} of weights paged)" if d.weights_paged else ""
+            blas = (f" and {format_bytes(d.blas_workspaces)} for cuBLAS's workspaces (forward's and backward's)"
+                    if d.blas_workspaces else "")
             out.append(Refusal(
                 "vram_usable", d.vram_resident, b.vram_usable,
                 f"the model's weights do not fit in {d.device}'s usable VRAM: resident weights "
                 f"{format_bytes(d.weights_to_move + d.weights_on_device)}{paged} plus {format_bytes(d.largest_grad)} for "
-                f"the largest gradient in flight{inflight} need {format_bytes(d.vram_resident)}, of "
+                f"the largest gradient in flight{inflight}{blas} need {format_bytes(d.vram_resident)}, of "
                 f"{format_bytes(b.vram_usable)} usable ({int(VRAM_HEADROOM * 100)}% of the device's memory under any "
-                f"per-process memory fraction, less cuBLAS's workspaces), before any activation. To fit: {'; or '.join(vram_fix)}."))
+                f"per-process memory fraction), before any activation. To fit: {'; or '.join(vram_fix)}."))
     if p.host_room is not None and p.host_bytes > p.host_room:
         own = ", ".join(f"{what} {format_bytes(n)}" for what, n in d.host_parts)
         fix = ["free host memory (other processes, tsd's other jobs)"]

@@ -200,7 +200,9 @@ def _plan_weight_paging(session: Session, model: torch.nn.Module, prep: _Prepare
     used = torch.cuda.memory_allocated(session.device)
     on_device = sum(_device_bytes(t) for t in itertools.chain(model.parameters(), model.buffers())
                     if t.device == session.device)
-    fixed = max(0, used - on_device) + pager.outside_bytes()
+    # cuBLAS's workspaces come with the first step's first matmuls (counted twice if one ran already:
+    # this first plan errs on the safe side, and the measured peaks refine it)
+    fixed = max(0, used - on_device) + pager.outside_bytes() + planner.blas_workspaces(session.device)
     session.planner = MemoryPlanner(budget, pager.block_bytes, fixed_vram=fixed,
                                     inflight_bytes=pager.largest_trained_block(), depth=pager.depth,
                                     micro_batches=pager.micro_batches)

@@ -163,10 +163,11 @@ def test_plan_wrap_has_no_side_effects(tsd):
         assert c.status().jobs == 0 and c.status().used_bytes == 0
 
 
-def test_the_usable_vram_leaves_room_for_cublas_workspaces():
+def test_a_plan_before_the_first_step_counts_cublas_workspaces():
     """torch gives each (cuBLAS handle, stream) its own workspace and each thread its own handle:
     forward and autograd's backward thread make two, 32 MiB each from Hopper on (64 MiB: more
-    than half of a 100 MiB cap), which the budget keeps out of what a plan may use."""
+    than half of a 100 MiB cap). A measured peak holds them; the demand wrap() checks before any
+    step counts them on a CUDA device (and not on the CPU)."""
     MiB = 1 << 20
     assert planner.blas_workspace_bytes(9) == planner.blas_workspace_bytes(10) == 32 * MiB
     assert planner.blas_workspace_bytes(8) == (4096 * 2 + 16 * 8) * 1024
@@ -176,3 +177,14 @@ def test_the_usable_vram_leaves_room_for_cublas_workspaces():
     for bad in (":4096", "4096:8", ":x:8", ":4096:-1"):  # torch warns and uses its default: so do we
         assert planner.blas_workspace_bytes(9, bad) == 32 * MiB
     assert planner.BLAS_WORKSPACES_PER_STEP == 2
+    model = torch.nn.Linear(8, 8)
+    trainable = [(p, 4) for p in model.parameters()]
+    layout = planner.OptimizerLayout(state_bytes=1, control_bytes=0, master_bytes=0, moment_bytes=0, grad_bytes=0,
+                                     param_bytes=0, accum_bytes=0, buckets=())
+    opt = {"float32": layout, "bfloat16": layout}
+    on_gpu = planner.model_demand(model, trainable, torch.device("cuda", 0), opt)
+    on_cpu = planner.model_demand(model, trainable, torch.device("cpu"), opt)
+    assert on_gpu.blas_workspaces == planner.blas_workspaces(torch.device("cuda", 0)) > 0
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert on_gpu.vram_resident == weights + on_gpu.largest_grad + on_gpu.blas_workspaces
+    assert on_cpu.blas_workspaces == 0
