@@ -25,6 +25,7 @@ included) runs and is tested.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -297,6 +298,11 @@ class ActivationProfiler(ActivationPager):
                 return super().pack(t)
             except QuotaExceeded as e:  # tsd can lend no more: the rest stays on the device this step
                 self.out_of_room = str(e)
+                # Said now: should the device not hold what stays, torch's out-of-memory error follows.
+                warnings.warn("trainstream: tsd can lend no more memory for activation paging in the first step "
+                              f"({str(e).split(';')[0]}); the rest of this step's saved activations stay on the "
+                              "device. If the device runs out of memory next, pass a larger quota= to wrap() or "
+                              "start tsd with a larger --pool-size", stacklevel=2)
         self.short.add(self._running[-1][0])
         return t
 
