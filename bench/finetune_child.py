@@ -182,7 +182,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if mplan is not None and host_before_wrap is not None:
         host.update(host_pss_before_wrap_gib=host_before_wrap / 2**30,
                     # wrap()'s host bytes and the activation pages checked after the first step
-                    check_memory_host_gib=(mplan.host_bytes + int(getattr(session, "activation_host_bytes", 0))) / 2**30,
+                    check_memory_host_gib=(mplan.host_bytes + session.activation_host_bytes) / 2**30,
                     check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,

@@ -389,7 +389,7 @@ def decide_activation_offload(session: Session) -> None:
             page_blocks(session, prof.model, prof.name, prof.blocks, chosen, why=why, min_bytes=prof.min_bytes)
         else:
             session.events.append(f"activation_offload=auto: nothing paged{why}")
-        check_activation_host(session, int(getattr(session.arena, "capacity_bytes", 0) or 0))
+        check_activation_host(session, session.arena.capacity_bytes if session.arena is not None else 0)
         return
     budget = session.budget.merged(planner.measure_device(session.device))
     peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0

@@ -160,8 +160,8 @@ def blas_workspaces(device: Union[str, torch.device]) -> int:
 def measure_device(device: Union[str, torch.device]) -> Budget:
     """The VRAM fields of a budget for `device` (none on a CPU device): `vram_usable` from the
     device's memory and any `torch.cuda.set_per_process_memory_fraction` cap, times VRAM_HEADROOM;
-    `vram_free` from
-    `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved memory."""
+    `vram_free` from `torch.cuda.mem_get_info`, at most what the cap leaves beside torch's reserved
+    memory."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return Budget()
