@@ -15,7 +15,6 @@ from .engine import ParamSlots, Session
 from .errors import MemoryCheckFailed, Refusal, TsdError
 from .paging.activations import ActivationProfiler, page_blocks
 from .progress import Progress
-from .units import block_ranges
 
 # A file the optimizer's state streams to or from: a descriptor, or an object with fileno().
 StateFile = Union[int, IO[Any]]
@@ -373,22 +372,11 @@ def decide_activation_offload(session: Session) -> None:
         # The first step paged every block's activations beside every block's weights: the peak the
         # weight planner refines from was measured so. Keeping them paged keeps that measurement true
         # (moving them back while the planner moves weights in could overrun the budget at once).
-        # Blocks that tsd could not wholly hold in that step (its quota or pool ran out) stay on the
-        # device, as they did in it: the peak holds for them too.
-        chosen = [i for i, n in enumerate(prof.block_bytes) if n > 0 and i not in prof.short]
-        if not chosen and not prof.short:
-            chosen = list(range(len(prof.blocks)))
-        why = (" (activation_offload=auto after the first step: it paged them beside every block's weights "
-               "to fit a tight budget, and they stay paged so that the weight planner's measured peak holds)")
-        if prof.out_of_room is not None:
-            kept = sorted(prof.short)
-            why += (f"; the activations of blocks {block_ranges(kept)} ({len(kept)}) stay on the device: tsd could "
-                    f"lend no more in the first step ({prof.out_of_room.split(';')[0]}). A larger quota= or "
-                    f"--pool-size pages them too")
-        if chosen:
-            page_blocks(session, prof.model, prof.name, prof.blocks, chosen, why=why, min_bytes=prof.min_bytes)
-        else:
-            session.events.append(f"activation_offload=auto: nothing paged{why}")
+        chosen = [i for i, n in enumerate(prof.block_bytes) if n > 0] or list(range(len(prof.blocks)))
+        page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
+                    why=" (activation_offload=auto after the first step: it paged them beside every block's "
+                        "weights to fit a tight budget, and they stay paged so that the weight planner's measured "
+                        "peak holds)", min_bytes=prof.min_bytes)
         check_activation_host(session, session.arena.capacity_bytes if session.arena is not None else 0)
         return
     budget = session.budget.merged(planner.measure_device(session.device))

@@ -5,6 +5,7 @@ moment_dtype="auto" follows the pool, the quota and the RAM; activation_offload=
 first step and pages what the VRAM budget needs. The seed's planner tests, adapted to tsd and
 runnable on a CPU; the CUDA variants skip without a GPU."""
 import copy
+import gc
 import dataclasses
 
 import pytest
@@ -487,23 +488,32 @@ def test_activation_pages_are_checked_against_the_host_ram_after_the_first_step(
 
 
 class _ShortHost:
-    """A host that lends `room` bytes, then refuses as tsd does when the job's quota is full."""
+    """A host that lends up to `room` bytes at once, then refuses as tsd does when the job's quota
+    is full; `capacity_bytes` is what it lends now (blocks given back return to it)."""
 
     def __init__(self, room):
-        from trainstream.memory import PinnedHost
-        self.inner, self.room, self.capacity_bytes = PinnedHost(pin=False), room, 0
+        self.room, self.capacity_bytes, self._next = room, 0, 0
+        self._lent = {}
 
     def alloc(self, nbytes):
+        from trainstream.memory import HostBlock
         if self.capacity_bytes + nbytes > self.room:
             raise trainstream.QuotaExceeded(f"tsd cannot lend {nbytes} bytes more for activation paging; quota full")
         self.capacity_bytes += nbytes
-        return self.inner.alloc(nbytes)
+        self._next += 1
+        self._lent[self._next] = nbytes
+        return HostBlock(torch.empty(nbytes, dtype=torch.uint8), self, self._next)
+
+    def _give_back(self, key, after):
+        self.capacity_bytes -= self._lent.pop(key)
 
 
-def test_paging_profiler_keeps_on_the_device_what_tsd_cannot_lend():
+def test_paging_profiler_refuses_clearly_what_tsd_cannot_lend_and_the_step_runs_again():
     """The first step of a tight budget pages every block's activations; when tsd's quota runs out
-    in it, the rest stay on the device (the step completes, gradients bit-identical), and the
-    decision after it pages only the blocks tsd held whole, saying which stayed and why."""
+    in it, the step fails with QuotaExceeded saying about how much more it needs and what to change
+    (keeping the rest on the device would overrun the VRAM budget the plan was made for). Nothing
+    is trained, the failed forward's host blocks go back, and once tsd can lend enough the same
+    step gives the reference's gradients bit for bit; the decision after it pages every block."""
     from types import SimpleNamespace
 
     from trainstream.optim import decide_activation_offload
@@ -516,18 +526,25 @@ def test_paging_profiler_keeps_on_the_device_what_tsd_cannot_lend():
     prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", min_bytes=1, page=True, host=host)
     prof.install()
     x = torch.randn(32, 64)
-    with pytest.warns(UserWarning, match="tsd can lend no more memory for activation paging") as said:
+    with pytest.raises(trainstream.QuotaExceeded) as e:
         model(x).square().sum().backward()
-    assert len(said) == 1  # once, when tsd first refuses
+    msg = str(e.value)
+    assert "tsd can lend no more in block 1 of 4" in msg and "quota full" in msg, msg
+    assert "--pool-size" in msg and "quota=" in msg and "smaller batch" in msg and "run again" in msg
+    # Blocks 1-3 at the largest block's bytes so far (block 0's), less the 8 KiB block 1 paged before the refusal.
+    assert "80.00 KiB lent so far; about 72.00 KiB per block, so about 208.00 KiB more" in msg, msg
+    assert all(p.grad is None for p in model.parameters())  # nothing trained
+    del e
+    gc.collect()  # the failed forward's graph (and its pages) go with the traceback
+    assert host.capacity_bytes == 0  # every block it lent came back
+    host.room *= 4  # the user starts tsd with a larger pool
+    model(x).square().sum().backward()
     ref(x).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
-    assert prof.block_bytes == [per_block] * 4  # measured whole, paged or not
-    assert prof.short == {1, 2, 3} and "quota full" in prof.out_of_room
-    assert 3 <= prof.paged_tensors < 12
+    assert prof.block_bytes == [per_block] * 4
     s = SimpleNamespace(act_pager=prof, arena=host, device=torch.device("cpu"), pager=None, events=[],
                         memory_plan=None, check_memory=True, activation_host_bytes=0)
     decide_activation_offload(s)
-    assert s.act_pager is not prof and [b for b in s.act_pager.blocks] == [model.layers[0]]
-    assert "blocks 1-3 (3) stay on the device: tsd could lend no more" in s.events[-1], s.events
-    assert s.activation_host_bytes == host.capacity_bytes
+    assert s.act_pager is not prof and list(s.act_pager.blocks) == list(model.layers)
+    assert "stay paged so that the weight planner's measured peak holds" in s.events[-1], s.events
     s.act_pager.remove()

@@ -25,7 +25,6 @@ included) runs and is tested.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 from ..errors import QuotaExceeded
 from ..memory import HostBlock, HostMemory, PinnedHost
-from ..units import block_ranges
+from ..units import block_ranges, format_bytes
 
 _MIN_BYTES = 1 << 20
 
@@ -251,9 +250,11 @@ class ActivationProfiler(ActivationPager):
     Installed and removed like the pager (it is one). With `page=False` it keeps every tensor; with
     `page=True` it also pages what it measures into `host` (a first step that must fit a tight
     budget: the weight planner pages every block's weights in it too). When `host` cannot lend more
-    (tsd's quota or pool is full: QuotaExceeded), the rest of the step's tensors stay on the device
-    instead of failing the step: `out_of_room` keeps tsd's message and `short` the blocks not
-    wholly paged, so the decision after the step pages only blocks that fit."""
+    (tsd's quota or pool is full), the step fails with QuotaExceeded saying how much the step's
+    activations need beyond what tsd lent (measured so far, the rest estimated from the blocks
+    measured), and what to change; the failed forward's pages go back with its graph and the next
+    step measures again. Keeping the rest on the device instead would overrun the budget the
+    plan was made for: measured on the 7B under a 12 GiB cap, that ran out of VRAM in backward."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
                  name: Optional[str] = None, min_bytes: int = _MIN_BYTES, page: bool = False,
@@ -266,8 +267,6 @@ class ActivationProfiler(ActivationPager):
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
         self._seen: dict[tuple, torch.Tensor] = {}   # what the running forward saved (counted once)
         self.forwards = 0
-        self.out_of_room: Optional[str] = None  # page=True: tsd's refusal, once the host could lend no more
-        self.short: set[int] = set()  # page=True: blocks with a measured tensor left on the device
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         super()._enter(module, args)
@@ -293,18 +292,27 @@ class ActivationProfiler(ActivationPager):
             self._running[-1] = (i, n + t.numel() * t.element_size())
         if not self.paging:
             return t
-        if self.out_of_room is None:
-            try:
-                return super().pack(t)
-            except QuotaExceeded as e:  # tsd can lend no more: the rest stays on the device this step
-                self.out_of_room = str(e)
-                # Said now: should the device not hold what stays, torch's out-of-memory error follows.
-                warnings.warn("trainstream: tsd can lend no more memory for activation paging in the first step "
-                              f"({str(e).split(';')[0]}); the rest of this step's saved activations stay on the "
-                              "device. If the device runs out of memory next, pass a larger quota= to wrap() or "
-                              "start tsd with a larger --pool-size", stacklevel=2)
-        self.short.add(self._running[-1][0])
-        return t
+        try:
+            return super().pack(t)
+        except QuotaExceeded as e:
+            raise QuotaExceeded(self._refusal(e, t.numel() * t.element_size()), e.code) from e
+
+    def _refusal(self, e: QuotaExceeded, refused: int) -> str:
+        """The first step's refusal of a `refused`-byte tensor: what tsd lent, what the step still
+        needs (this block and the rest, at the largest block's bytes so far, less what this block
+        already paged), and what to change."""
+        i, n = self._running[-1]  # n counts the refused tensor
+        per_block = max(max(self.block_bytes), n)
+        more = max(0, per_block * (len(self.blocks) - i) - (n - refused))
+        lent = getattr(self.host, "capacity_bytes", 0)
+        return (f"trainstream: the first step under this VRAM budget pages the saved activations of every block of "
+                f"{self.name or 'the model'} to host memory lent by tsd, and tsd can lend no more in block {i} of "
+                f"{len(self.blocks)} ({format_bytes(lent)} lent so far; about {format_bytes(per_block)} per block, "
+                f"so about {format_bytes(more)} more for this step). Keeping the rest on the device would overrun the "
+                f"VRAM budget the memory plan was made for. Start tsd with a --pool-size at least "
+                f"{format_bytes(more)} larger (or pass a larger quota= to wrap()), or train with a smaller batch or "
+                f"sequence, or with gradient checkpointing. Nothing was trained: the step can be run again. "
+                f"tsd said: {e}")
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
