@@ -21,6 +21,8 @@ Modes, each run in its own process so peaks do not mix:
   ds_offload, torchao_offload          the peers of shared/bench/offload_peers.py (DeepSpeed ZeRO-2
               with offload_optimizer=cpu, torchao CPUOffloadOptimizer)
 A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped, in the same run);
+MODE:cap=G and MODE:clip=X run that entry under a G GiB cap or with max_grad_norm X (a budget
+sweep, or both clippings, in one interleaved run: tsd_bf16_act:cap=12,tsd_bf16_act:cap=24,stock);
 MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry, and
 MODE:alloc=expandable runs it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (variants
 chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.

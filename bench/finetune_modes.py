@@ -68,7 +68,8 @@ ALLOC_CONFS = {"expandable": "expandable_segments:True"}
 
 def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
     """The mode of a --modes entry and the settings it runs with: MODE, then any of :uncapped
-    (no --cap-gib), :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), :alloc=expandable
+    (no --cap-gib), :cap=G (--cap-gib G: a budget sweep in one run), :clip=X (--clip X),
+    :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), :alloc=expandable
     (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the child's environment), e.g.
     tsd_bf16_act:overlap=off beside tsd_bf16_act in one run. Raises ValueError for anything else."""
     name, *variants = mode.split(":")
@@ -77,6 +78,12 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
         key, eq, value = v.partition("=")
         if key == "uncapped" and not eq:
             over["cap_gib"] = 0
+        elif key in ("cap", "clip") and eq:
+            number = _number(mode, v, value)
+            if key == "cap" and number <= 0:
+                raise ValueError(f"mode {mode!r}: cap={value} is not a VRAM budget in GiB (a number > 0; "
+                                 f":uncapped runs without one)")
+            over["cap_gib" if key == "cap" else "clip"] = number
         elif key == "overlap" and value in ("on", "off"):
             over["overlap"] = value
         elif key == "gpu" and eq:
@@ -85,9 +92,19 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
         elif key == "alloc" and value in ALLOC_CONFS:
             over["alloc_conf"] = ALLOC_CONFS[value]
         else:
-            raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, overlap=on|off, gpu=F|auto, "
+            raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, cap=G, clip=X, overlap=on|off, gpu=F|auto, "
                              f"alloc={'|'.join(ALLOC_CONFS)})")
     return name, argparse.Namespace(**{**vars(a), **over})
+
+
+def _number(mode: str, variant: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"mode {mode!r}: {variant!r} needs a number") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"mode {mode!r}: {variant!r} needs a finite number >= 0")
+    return number
 
 
 def option_value(text: Any) -> Any:

@@ -305,6 +305,17 @@ def test_mode_variants_set_the_entrys_settings():
     assert "alloc_conf" not in fb.workload("tsd_bf16m_act", a, {})
     with pytest.raises(ValueError, match="alloc=expandable"):
         fb.mode_settings("tsd:alloc=bogus", a)
+    # A budget sweep and both clippings in one run: each entry's record carries its own cap and clip.
+    name, s = fb.mode_settings("tsd_bf16_act:cap=12.5:clip=1000", a)
+    assert (name, s.cap_gib, s.clip) == ("tsd_bf16_act", 12.5, 1000.0) and (a.cap_gib, a.clip) == (4, 1.0)
+    w = fb.workload("tsd_bf16_act:cap=12.5:clip=1000", a, {})
+    assert (w["vram_cap_gib"], w["clip"]) == (12.5, 1000.0)
+    argv = fb.child_argv("stock:cap=24:clip=0", a)
+    assert argv[argv.index("--cap-gib") + 1] == "24.0" and "--clip" not in argv  # clip 0: the peers' flag off
+    for bad, says in (("tsd:cap=0", "not a VRAM budget"), ("tsd:cap=x", "needs a number"),
+                      ("tsd:clip=-1", "finite number >= 0"), ("tsd:cap", "unknown variant")):
+        with pytest.raises(ValueError, match=says):
+            fb.mode_settings(bad, a)
 
 
 def test_the_host_bound_is_the_trainer_before_wrap_plus_tsd_before_plus_what_check_memory_counted():
