@@ -6,7 +6,8 @@
 #   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...] [python SCRIPT ARGS...]
 #
 #   build [min [TARGET...]]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into
-#              /tmp/bg; `min`: only tsd, tsctl, libtsclient and libtsd_quant, and the TARGETs named
+#              /tmp/bg; `min`: only tsd, tsctl, libtsclient, libtsd_quant and stream_bench (the
+#              host bandwidth finetune_bench bounds a step with), and the TARGETs named
 #              after it, e.g. `build min tsd_unit_tests`), and the Python extension
 #              against the machine's torch (into /tmp/tspy, linking the same build)
 #   cpp [FILTER]  tsd_unit_tests' GPU and device tests (`build min tsd_unit_tests` first), $OUT/cpp_gpu.txt
@@ -40,7 +41,7 @@ stage_build() {
   local targets=()
   if [ "${1:-}" = min ]; then
     shift
-    targets=(--target tsd tsctl tsclient tsd_quant "$@")
+    targets=(--target tsd tsctl tsclient tsd_quant stream_bench "$@")
   fi
   cmake --build /tmp/bg -j16 "${targets[@]}" >/tmp/build.log 2>&1 || { grep -m20 -B2 -A10 "error" /tmp/build.log; return 1; }
   rm -rf /tmp/tspy  # pip --target keeps what is there
