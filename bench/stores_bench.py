@@ -1,7 +1,7 @@
 """Four LoRA jobs on one base through tsd's weight stores in host RAM (issue 12's "four jobs"
 benchmark; docs/stores.md).
 
-    python3 bench/stores_bench.py --tsd-bin build/bin/tsd [--layers 48] [--seq 512] [--results F]
+    python3 bench/stores_bench.py --tsd-bin build/bin/tsd [--layers 48] [--seq 256] [--results F]
     python3 bench/stores_bench.py --device cpu --tiny     (a smoke run on a machine without a GPU)
 
 It writes a random bf16 checkpoint of the Qwen2.5-14B architecture once (`--layers` fewer for a
@@ -120,7 +120,8 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small Qwen2 instead of the 14B architecture (CPU smoke)")
     ap.add_argument("--layers", type=int, default=48, help="decoder layers of the 14B architecture (48: all)")
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=256,
+                    help="tokens per batch (default 256: at 512 four 14B jobs need more than an 80 GB card)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--pool", default="90%", help="tsd's --pool-size (default 90%%)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (kept for reruns)")
