@@ -5,8 +5,8 @@ moment_dtype="auto" follows the pool, the quota and the RAM; activation_offload=
 first step and pages what the VRAM budget needs. The seed's planner tests, adapted to tsd and
 runnable on a CPU; the CUDA variants skip without a GPU."""
 import copy
-import gc
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -459,6 +459,51 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
         out[usable] = (losses, [p.detach().clone() for p in model.parameters()])
     (l0, p0), (l1, p1) = out[1 << 40], out[1 << 20]
     assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA required")
+def test_cuda_tight_first_step_refuses_clearly_what_tsd_cannot_lend_and_trains_after(tsd, request):
+    """Under a tight budget the first step pages every block's weights and activations. When the
+    job's quota can lend no activation page, that step fails with QuotaExceeded naming the block,
+    what the step needs and what to change (not an out-of-memory error later); nothing is trained,
+    and once the quota has room the run trains exactly as one that never failed."""
+    data = batches(4, batch=256, device="cuda")
+    torch.use_deterministic_algorithms(True, warn_only=True)  # see the test above
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(False))
+
+    def wrapped(job):
+        model = make_gpt(0, d=256, layers=4, heads=4).cuda()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, offload=True, budget=Budget(vram_usable=1 << 20),
+                                      check_memory=False, param_offload="auto", job=job, quota="512MiB")
+        session = trainstream.unwrap_session(model)
+        assert isinstance(session.act_pager, ActivationProfiler) and session.act_pager.paging, session.events
+        session.act_pager.min_bytes = 1024
+        return model, opt, session
+
+    model, opt, _ = wrapped("tight-ref")
+    try:
+        want = train(model, opt, data, 4)
+    finally:
+        trainstream.unwrap(model)
+    model, opt, session = wrapped("tight-act")
+    try:
+        with trainstream.connect(socket=tsd.socket, job="tight-act") as other:
+            free = 512 * 2**20 - next(j for j in other.jobs() if j.name == "tight-act").used_bytes
+            hog = other.alloc("hog", free)  # the rest of the job's quota
+            with pytest.raises(trainstream.QuotaExceeded) as e:
+                train(model, opt, data[:1], 1)
+            msg = str(e.value)
+            assert "tsd can lend no more in block 0 of 4" in msg and "--pool-size" in msg, msg
+            assert session.steps == 0 and all(p.grad is None for p in model.parameters())
+            del e
+            gc.collect()  # the failed forward's graph and pages go with the traceback
+            other.free(hog)
+            losses = train(model, opt, data, 4)
+        assert any("activation_offload=auto after the first step" in ev for ev in session.events), session.events
+    finally:
+        trainstream.unwrap(model)
+    assert losses == want
 
 
 def test_activation_pages_are_checked_against_the_host_ram_after_the_first_step():
