@@ -397,17 +397,27 @@ def render_raw(block: Block, records: list[dict[str, Any]]) -> str:
     return "```\n" + "\n".join(rows) + "\n```\n"
 
 
+def series_name(mode: str) -> str:
+    """The line a --modes entry belongs to in a plot of step time against budget: the entry
+    without its budget variants (:cap=G, :uncapped), so that tsd_bf16_act:cap=8 and
+    tsd_bf16_act:cap=16 are two points of one line, tsd_bf16_act's."""
+    name, *variants = mode.split(":")
+    return ":".join([name, *(v for v in variants if v != "uncapped" and not v.startswith("cap="))])
+
+
 def plot_points(block: Block, records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float, str]]]:
-    """For each mode, its (budget GiB, s/step, run id) points: the newest run of each budget."""
+    """For each line (`series_name`), its (budget GiB, s/step, run id) points: the newest run of
+    each budget. The block's modes= names lines (or entries)."""
     bench = block.get("benchmark") or ""
     want = [m for m in (block.get("modes") or "").split(",") if m]
     groups: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
     run = block.get("run")
     for r in records:
-        if r["status"] == "ok" and matches(r, bench, block.filters()) and (not want or r["mode"] in want) and (
-                run is None or r["run_id"] == run):
+        line = series_name(r["mode"])
+        if r["status"] == "ok" and matches(r, bench, block.filters()) and (
+                not want or line in want or r["mode"] in want) and (run is None or r["run_id"] == run):
             cap = float(r["workload"].get("vram_cap_gib") or 0.0)
-            groups.setdefault((r["mode"], cap), {}).setdefault(r["run_id"], []).append(r)
+            groups.setdefault((line, cap), {}).setdefault(r["run_id"], []).append(r)
     out: dict[str, list[tuple[float, float, str]]] = {}
     for (mode, cap), runs in sorted(groups.items()):
         recs = max(runs.values(), key=run_key)

@@ -177,6 +177,26 @@ def test_plots_are_the_same_bytes_every_time(tmp_path):
     assert first[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "a.png").read_bytes() == first
 
 
+def test_a_budget_sweep_in_one_run_is_one_line_of_the_plot():
+    """MODE:cap=G entries of one run are the points of one line (the mode's), at their caps; an
+    uncapped entry sits at its measured peak; the table lists each point with its run."""
+    def rec(mode, cap, step, peak):
+        return {"schema": 1, "benchmark": "finetune", "run_id": "r1", "order": 0, "repeat": 0, "mode": mode,
+                "status": "ok", "workload": {"arch": "qwen1.5b", "vram_cap_gib": cap},
+                "values": {"step_s_median": step, "vram_device_peak_gib": peak}, "time_utc": "2026-12-05T00:00:00Z"}
+
+    records = [rec("tsd_bf16_act:cap=8", 8.0, 0.9, 7.5), rec("tsd_bf16_act:cap=16:gpu=auto", 16.0, 0.5, 15.0),
+               rec("tsd_bf16_act:cap=16", 16.0, 0.6, 15.2), rec("stock", 0, 0.15, 43.0)]
+    assert report.series_name("tsd_bf16_act:cap=16:gpu=auto") == "tsd_bf16_act:gpu=auto"
+    assert report.series_name("tsd_bf16m_act:uncapped") == "tsd_bf16m_act"
+    block = report.parse_attrs("p", " kind=plot benchmark=finetune arch=qwen1.5b img=p.png ", 1)
+    assert report.plot_points(block, records) == {
+        "stock": [(43.0, 0.15, "r1")], "tsd_bf16_act": [(8.0, 0.9, "r1"), (16.0, 0.6, "r1")],
+        "tsd_bf16_act:gpu=auto": [(16.0, 0.5, "r1")]}
+    block = report.parse_attrs("p", " kind=plot benchmark=finetune modes=tsd_bf16_act,stock img=p.png ", 1)
+    assert list(report.plot_points(block, records)) == ["tsd_bf16_act", "stock"]
+
+
 def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     results = tmp_path / "finetune.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
