@@ -1,7 +1,7 @@
 """The modes of `finetune_bench.py` and the settings of a --modes entry: which modes exist, what
 each needs and keeps in which precision, the interleaved order of a run's rounds, why a mode
-cannot run here, and the variants an entry may carry (MODE:uncapped, :overlap=on|off, :gpu=F|auto,
-:alloc=expandable)."""
+cannot run here, and the variants an entry may carry (MODE:uncapped, :cap=G, :clip=X,
+:overlap=on|off, :gpu=F|auto, :alloc=expandable)."""
 from __future__ import annotations
 
 import argparse
