@@ -76,6 +76,10 @@ class TsdAdamW(torch.optim.Optimizer):
             s.step_times.append(time.perf_counter() - t0)
         if s.steps == 1 and isinstance(s.act_pager, ActivationProfiler):
             decide_activation_offload(s)
+        elif s.steps == 1 and s.act_pager is not None and s.arena is not None:
+            # A fixed activation_offload (True or a share): the pages its first step took count
+            # against the host RAM as "auto"'s do.
+            check_activation_host(s, s.arena.capacity_bytes)
         if s.offload == "auto" and s.steps >= 2 and s.offloading:
             maybe_switch_to_stock(self)  # decides once: offload becomes True, or the GPU share takes everything
         return loss

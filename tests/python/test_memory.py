@@ -97,6 +97,8 @@ def test_activation_pages_are_charged_to_the_job_and_reused_every_step(tsd):
             assert s.act_pager.paged_bytes > 0 and s.arena.grows >= 1
             job = next(j for j in c.jobs() if j.name == "paged-job")
             assert job.used_bytes == s.state_bytes + s.arena.capacity_bytes  # tsctl jobs shows the pages
+            # check_memory's second half counted them, as for activation_offload="auto"
+            assert s.activation_host_bytes == s.arena.capacity_bytes > 0
             # the optimizer's five regions (fp32 parameters are their masters: no opt/params) and the arena's
             assert job.regions == 5 + len(s.arena.regions)
             capacity, grows = s.arena.capacity_bytes, s.arena.grows
