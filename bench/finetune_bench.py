@@ -125,7 +125,8 @@ def measure_stream(a: argparse.Namespace, rec: benchlib.Recorder) -> Optional[di
 def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list[str]:
     """Each tsd mode's bound in this run: max(the GPU's forward + backward, its host bytes per step
     / the STREAM bandwidth), beside its measured step (medians over the run's repeats). The GPU part
-    is stock's forward + backward when its records carry them, else the mode's own (CUDA events)."""
+    is stock's forward + backward when its records carry them, else stock's whole step (peers.py
+    times only that), else the mode's own (CUDA events)."""
     def median(xs: list[float]) -> Optional[float]:
         return sorted(xs)[len(xs) // 2] if xs else None
 
@@ -135,6 +136,9 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
 
     ok = [r for r in records if r.get("status") == "ok"]
     stock_fb = fwd_bwd([r["values"] for r in ok if r["mode"] == "stock"])
+    if stock_fb is None:  # peers.py times stock's whole step: an upper bound of its forward and backward
+        stock_fb = median([r["values"]["step_s_median"] for r in ok if r["mode"] == "stock"
+                           and isinstance(r["values"].get("step_s_median"), (int, float))])
     bw = float(measured["bandwidth_gbs"])
     out = [f"bound = max(GPU forward+backward ({'stock: %.3f s' % stock_fb if stock_fb else 'the mode own'}), "
            f"host bytes per step / STREAM {bw:.1f} GB/s)"]

@@ -58,7 +58,8 @@ MIN_RUNS = 3
 ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device": "vram_device_peak_gib",
            "host": "host_pss_peak_gib", "tsd": "tsd_used_gib", "tsd_peak": "tsd_used_peak_gib", "rss": "rss_peak_gib",
            "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step",
-           "host_bound": "host_check_bound_gib", "host_ok": "host_within_check"}
+           "host_bound": "host_check_bound_gib", "host_ok": "host_within_check",
+           "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound"}
 HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
            "tsd_used_gib": "tsd used GiB", "tsd_used_peak_gib": "tsd used GiB (peak)", "rss_peak_gib": "peak RSS GiB",
@@ -70,7 +71,8 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "save_s": "save s", "restore_s": "restore s", "saved_gib": "saved GiB", "unwrap_s": "unwrap() s",
            "resume_exact": "resumed bit-identically (1 = yes)", "save_rss_anon_growth_mib": "RssAnon growth, save MiB",
            "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB",
-           "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)"}
+           "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)",
+           "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -147,7 +149,7 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}",
+FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
@@ -478,8 +480,44 @@ def render_bars(block: Block, records: list[dict[str, Any]], img_dir: str, plots
                       "|---|---|---|", *rows]) + "\n"
 
 
+def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `records` in which each record of a run that measured STREAM (its `stream` record's
+    `bandwidth_gbs`) and carries host bytes per step also carries its bound, as finetune_bench
+    prints it: `host_s` (host bytes per step / STREAM), `bound_s` (the longer of that and the GPU's
+    forward + backward: the median of stock's in the same run where it ran (its whole step where
+    only that was timed), else the record's own)
+    and `step_over_bound` (its step / the bound)."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_run.setdefault(r["run_id"], []).append(r)
+    out = []
+    for r in records:
+        run = by_run[r["run_id"]]
+        bw = next((x["values"].get("bandwidth_gbs") for x in run if x["mode"] == "stream" and x["status"] == "ok"), None)
+        v = r["values"]
+        if not bw or r["status"] != "ok" or not isinstance(v.get("host_bytes_per_step"), (int, float)):
+            out.append(r)
+            continue
+        stock_runs = [x["values"] for x in run if x["mode"] == "stock" and x["status"] == "ok"]
+        stock = [(x["gpu_forward_ms"] + x["gpu_backward_ms"]) / 1e3 for x in stock_runs
+                 if "gpu_forward_ms" in x and "gpu_backward_ms" in x]
+        # peers.py times stock's whole step only: an upper bound of its forward and backward, which
+        # matters only where it exceeds the host's part
+        stock = stock or [x["step_s_median"] for x in stock_runs if isinstance(x.get("step_s_median"), (int, float))]
+        own = (v.get("gpu_forward_ms", 0.0) + v.get("gpu_backward_ms", 0.0)) / 1e3
+        gpu_s = benchlib.median(stock) if stock else own
+        host_s = v["host_bytes_per_step"] / (float(bw) * 1e9)
+        bound = max(gpu_s, host_s)
+        extra = {"host_s": host_s, "bound_s": bound}
+        if bound > 0 and isinstance(v.get("step_s_median"), (int, float)):
+            extra["step_over_bound"] = v["step_s_median"] / bound
+        out.append({**r, "values": {**v, **extra}})
+    return out
+
+
 def generate(doc: str, records: list[dict[str, Any]], img_dir: str) -> tuple[str, list[Plot]]:
     """The docs with every generated block rewritten from `records`, and the plots they show."""
+    records = add_bounds(records)
     plots: list[Plot] = []
     found = {m.group("name") for m in BLOCK.finditer(doc)}
     for m in OPEN.finditer(doc):

@@ -350,3 +350,30 @@ def test_the_host_bound_is_the_trainer_before_wrap_plus_tsd_before_plus_what_che
     assert finetune_bench.outcome(run, tsd_pss_before=2**30 // 4)[2]["host_within_check"] == 0
     # Without tsd's baseline (a peer, or an old record) no bound is claimed.
     assert "host_check_bound_gib" not in finetune_bench.outcome(run)[2]
+
+
+def test_a_tsd_modes_bound_is_its_host_bytes_at_stream_speed_or_stocks_forward_and_backward():
+    """The bound finetune_bench prints, as columns: max(stock's forward + backward in the run (else
+    the mode's own), host bytes per step / the run's STREAM bandwidth), and the step over it."""
+    stream = rec("r", 0, "stream", None)
+    stream["values"] = {"bandwidth_gbs": 100.0}
+    tsd = rec("r", 1, "a", 0.55)
+    tsd["values"].update(host_bytes_per_step=50e9, gpu_forward_ms=300.0, gpu_backward_ms=150.0)
+    stock = rec("r", 2, "stock", 0.2)
+    stock["values"].update(gpu_forward_ms=60.0, gpu_backward_ms=120.0)
+    got = {r["mode"]: r["values"] for r in report.add_bounds([stream, tsd, stock])}
+    assert got["a"]["host_s"] == pytest.approx(0.5) and got["a"]["bound_s"] == pytest.approx(0.5)
+    assert got["a"]["step_over_bound"] == pytest.approx(1.1)
+    assert "bound_s" not in got["stock"]  # a peer has no host bytes: no bound
+    text = table(report.add_bounds([stream, tsd, stock]), modes=["a"], cols=["step,host_time,bound,of_bound"], ratio=[])
+    assert row(text, "a") == "| `a` | 1 | 0.550 | 0.500 | 0.500 | 1.10 |"
+    # Where stock's forward and backward are longer than the host's part, they are the bound; without
+    # stock in the run, the mode's own forward and backward (which include waits for the host) are.
+    stock["values"].update(gpu_forward_ms=300.0, gpu_backward_ms=400.0)
+    assert report.add_bounds([stream, tsd, stock])[1]["values"]["bound_s"] == pytest.approx(0.7)
+    assert report.add_bounds([stream, tsd])[1]["values"]["bound_s"] == pytest.approx(0.5)
+    # Stock timed as a whole step only (peers.py): that step stands for its forward and backward.
+    slow = rec("r", 2, "stock", 0.8)
+    assert report.add_bounds([stream, tsd, slow])[1]["values"]["bound_s"] == pytest.approx(0.8)
+    # A run without STREAM claims no bound.
+    assert "bound_s" not in report.add_bounds([tsd])[0]["values"]
