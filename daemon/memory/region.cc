@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/memory/numa_memory.h"
+#include "daemon/memory/populate.h"
 #include "proto/wire.h"
 
 namespace tsd {
@@ -49,12 +50,16 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Create(uint64_t id, std::string 
   if (fcntl(r->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     return absl::InternalError(absl::StrCat("sealing the memfd failed: ", std::strerror(errno)));
   }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd_, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd_, 0);
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of ", wire::FormatBytes(bytes), " failed: ", std::strerror(errno)));
   }
   r->data_ = p;
+  // The pages' zero-fill, on several threads (they inherit this thread's NUMA policy).
+  if (absl::Status s = PopulateMapping(p, bytes); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("region '", r->name_, "': ", s.message()));
+  }
   if (lock) {
     if (mlock(p, bytes) != 0) {
       return absl::ResourceExhaustedError(
