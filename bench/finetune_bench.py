@@ -208,7 +208,7 @@ VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "
               "save_rss_anon_growth_mib": "save_rss_anon_growth_mib",
               "restore_rss_anon_growth_mib": "restore_rss_anon_growth_mib",
               "host_pss_before_wrap_gib": "host_pss_before_wrap_gib", "check_memory_host_gib": "check_memory_host_gib",
-              "check_memory_room_gib": "check_memory_room_gib"}
+              "check_memory_room_gib": "check_memory_room_gib", "build_s": "build_s", "wrap_s": "wrap_s"}
 
 
 def outcome(run: benchlib.ChildRun, tsd_pss_before: Optional[int] = None

@@ -12,7 +12,7 @@ import runpy
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import benchlib
 import stream
@@ -77,6 +77,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     # The trainer's host memory before wrap() (the model built, CUDA up): the base that
     # check_memory's host_bytes (tsd's regions and the client's own needs) is added to.
     host_before_wrap = benchlib.pss_bytes(os.getpid())
+    built_s = time.time() - t0  # the model built (and quantized) and on its device
     if a.mode in TSD_MODES:
         import trainstream
 
@@ -107,6 +108,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
         retries_seen = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    # tsd's global gradient norm of each step (what it clipped by), as peers.py records its own
+    norms: Optional[list[Optional[float]]] = [] if session is not None and a.clip else None
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
@@ -122,6 +125,10 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             loss = model(input_ids=ids, labels=ids).loss
         if cuda:
             ev[1].record()
+        if norms is not None and step > 0:
+            # The last step's norm, read once this forward has waited for its updates (asking right
+            # after step() would wait for the whole commit, which overlap_forward runs during it).
+            norms.append(opt.last_grad_norm)
         tb = time.perf_counter()
         _PROGRESS["phase"] = "backward"
         loss.backward()
@@ -149,6 +156,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         else:  # wall time: the CPU runs forward and backward synchronously
             fwd_ms.append((tb - t) * 1e3)
             bwd_ms.append((ts - tb) * 1e3)
+
+    if norms is not None and a.steps:
+        norms.append(opt.last_grad_norm)
 
     def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count) as peers.py takes it
         tail = xs[2:] or xs
@@ -199,6 +209,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         alloc_retries=sum(retries) if cuda else None,
         alloc_retries_per_step=retries if cuda else None,
         plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
+        # setup_s split: the model built and on its device, then wrap() (its event line says
+        # where wrap()'s time went: the plan, the registration in tsd, the parameters' copies)
+        build_s=built_s, wrap_s=(setup_s - built_s if a.mode in TSD_MODES else None),
+        **({"grad_norms": norms} if norms is not None else {}),
+        wrap_event=next((e for e in events if e.startswith("wrap: ")), None),
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,

@@ -59,7 +59,7 @@ ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device"
            "host": "host_pss_peak_gib", "tsd": "tsd_used_gib", "tsd_peak": "tsd_used_peak_gib", "rss": "rss_peak_gib",
            "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step",
            "host_bound": "host_check_bound_gib", "host_ok": "host_within_check",
-           "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound"}
+           "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share"}
 HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
            "tsd_used_gib": "tsd used GiB", "tsd_used_peak_gib": "tsd used GiB (peak)", "rss_peak_gib": "peak RSS GiB",
@@ -72,7 +72,8 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "resume_exact": "resumed bit-identically (1 = yes)", "save_rss_anon_growth_mib": "RssAnon growth, save MiB",
            "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB",
            "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)",
-           "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound"}
+           "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound",
+           "clip_bit_share": "share of steps clipping bit"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -149,7 +150,7 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}",
+FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "clip_bit_share": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
@@ -515,9 +516,23 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def add_clip_counts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `records` in which each record with `grad_norms` (a norm per step, before
+    clipping) and a clipping limit (`workload.clip`) also carries `clip_bit_share`: the share of
+    its steps whose norm was above the limit, so that clipping scaled their gradients."""
+    out = []
+    for r in records:
+        norms, clip = r["values"].get("grad_norms"), r["workload"].get("clip")
+        if isinstance(norms, list) and isinstance(clip, (int, float)) and clip > 0:
+            bit = sum(1 for n in norms if isinstance(n, (int, float)) and n > clip)
+            r = {**r, "values": {**r["values"], "clip_bit_share": bit / len(norms) if norms else 0.0}}
+        out.append(r)
+    return out
+
+
 def generate(doc: str, records: list[dict[str, Any]], img_dir: str) -> tuple[str, list[Plot]]:
     """The docs with every generated block rewritten from `records`, and the plots they show."""
-    records = add_bounds(records)
+    records = add_clip_counts(add_bounds(records))
     plots: list[Plot] = []
     found = {m.group("name") for m in BLOCK.finditer(doc)}
     for m in OPEN.finditer(doc):

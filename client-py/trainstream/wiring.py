@@ -22,6 +22,7 @@ import math
 import numbers
 import os
 import socket
+import time
 import warnings
 import weakref
 from typing import Any, Optional, Union
@@ -407,6 +408,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     docs/distributed.md).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
+    t_start = time.perf_counter()
+    phases: list[tuple[str, float]] = []  # wrap()'s parts and their seconds, for its event line
+
+    def lap(what: str) -> None:
+        phases.append((what, time.perf_counter() - t_start - sum(t for _, t in phases)))
+
     prep = _prepare(model, optimizer, device, options)
     opts, device = prep.opts, prep.device
     owns_client = client is None
@@ -417,8 +424,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         attached = client.job if client.attached else None
         job = attached if attached is not None else (dp.job if dp is not None else _job_name(opts))
         plan = _plan(client, prep, job, budget)
+        lap("plan")
         # ---- from here on, the plan is applied
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)
+        if quantized:
+            lap("quantize")
         if attached is None:
             client.attach(job, opts["quota"], keep_for=opts["keep_for"], resume=opts["resume"])
         report = None
@@ -435,6 +445,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                 handle = dp.register(client, request) if dp is not None else client._register_optimizer(**request)
         else:
             handle = None  # optimizer_gpu_fraction=1: every update on the device, none in tsd
+        lap("registration in tsd")
     except BaseException:
         if owns_client:
             client.close()
@@ -471,9 +482,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         ps.version = p._version
         session.params.append(ps)
         session.by_param[id(p)] = ps
+    lap("parameters into tsd")
     if share is not None:
         share.build(optimizer.param_groups)
         share.hook_gradients()
+        lap("GPU share")
     wrapped = TsdAdamW(optimizer, session, plan.moment_dtype)
     if resumed is None and any(len(v) for v in optimizer.state.values()):
         # An optimizer that already stepped keeps its state (torch keeps none for gradless parameters).
@@ -484,6 +497,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         except BaseException:
             session.release()  # the blocks paged so far come back; the job goes (QuotaExceeded for frozen weights)
             raise
+    if session.pager is not None:
+        lap("weight paging")
     if device.type == "cuda":
         model.to(device)  # what is not paged
     if share is not None:
@@ -514,6 +529,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
             if plan.host_room is not None else "")
+    lap("hooks")
+    took = (f"; took {time.perf_counter() - t_start:.1f} s (" + ", ".join(f"{w} {t:.1f}" for w, t in phases) + ")")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters"
                           f"{f' ({len(prep.gpu)} tensors of them in the GPU share)' if prep.gpu else ''}, "
                           f"{plan.moment_dtype} moments, "
@@ -521,7 +538,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                           f"{format_bytes(session.state_bytes)} in tsd (job {client.job!r}, "
                           f"{format_bytes(plan.available)} was available), {host}"
                           + (f"AdamW on {handle.threads} daemon threads ({handle.isa})" if handle is not None
-                             else "no optimizer in tsd"))
+                             else "no optimizer in tsd") + took)
     setattr(model, "_trainstream_session", session)
     if dp is not None:
         dp.finish_wrap()

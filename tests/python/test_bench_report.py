@@ -211,6 +211,9 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert ok["workload"]["params"] > 0 and ok["workload"]["device"] == "cpu"
     v = ok["values"]
     assert len(v["step_s"]) == 2 and v["step_s_median"] > 0  # the profiled third step is left out
+    # tsd's norm of every step (what it clipped by), and where setup's time went
+    assert len(v["grad_norms"]) == 3 and all(n > 0 for n in v["grad_norms"])
+    assert v["wrap_s"] > 0 and v["build_s"] > 0 and "registration in tsd" in ok["raw"]["wrap_event"]
     assert "Self CPU" in (tmp_path / "profile" / "profile-tsd.txt").read_text()
     assert (tmp_path / "profile" / "profile-tsd.json.gz").stat().st_size > 0
     assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
@@ -377,3 +380,14 @@ def test_a_tsd_modes_bound_is_its_host_bytes_at_stream_speed_or_stocks_forward_a
     assert report.add_bounds([stream, tsd, slow])[1]["values"]["bound_s"] == pytest.approx(0.8)
     # A run without STREAM claims no bound.
     assert "bound_s" not in report.add_bounds([tsd])[0]["values"]
+
+
+def test_how_often_clipping_bit_comes_from_the_norms_and_the_limit():
+    a = rec("r", 0, "a", 0.5)
+    a["workload"]["clip"] = 1.0
+    a["values"]["grad_norms"] = [6.9, 0.8, 1.0, 2.5]  # a norm equal to the limit does not clip
+    b = rec("r", 1, "b", 0.6)  # no clipping: nothing claimed
+    b["values"]["grad_norms"] = [6.9]
+    got = report.add_clip_counts([a, b])
+    assert got[0]["values"]["clip_bit_share"] == 0.5 and "clip_bit_share" not in got[1]["values"]
+    assert "| 0.50 |" in row(table(got, modes=["a"], cols=["clip_bit"], ratio=[]), "a")

@@ -2,6 +2,7 @@
 daemon's AdamW, copies back) against torch.optim.AdamW(foreach=False) on a small GPT."""
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -536,6 +537,9 @@ def test_offload_auto_switch_gives_param_dtype_models_their_fp32_weights_back(ts
     train(model, opt, data[:2], 2)  # the switch comes at the end of the second step
     assert not opt.offloading
     assert any("switched to stock" in e for e in session.events)
+    # wrap()'s line says where its time went
+    line = next(e for e in session.events if e.startswith("wrap: "))
+    assert re.search(r"; took [0-9.]+ s \(plan [0-9.]+, registration in tsd [0-9.]+, parameters into tsd [0-9.]+", line)
     # Activation paging stays on after the switch: the fit check measured the peak with it.
     assert session.act_pager is not None and session.act_pager.handles
     paged_before = session.act_pager.paged_bytes
