@@ -6,7 +6,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
-#include <vector>
+#include <cstdlib>
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
@@ -29,10 +29,30 @@ float Value(uint64_t i) {
   return static_cast<float>(static_cast<int64_t>(x & 0xFFFFFF) - 0x800000) * 0x1p-23f;
 }
 
+// A 64-byte aligned array, as tsd's regions place every bucket: the kernels store the working
+// parameter non-temporally only where its range is aligned.
+template <class T>
+class Aligned {
+ public:
+  explicit Aligned(int64_t n)
+      : p_(static_cast<T*>(
+            std::aligned_alloc(64, (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64))) {
+    if (p_ == nullptr) std::abort();
+  }
+  ~Aligned() { std::free(p_); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  T* data() { return p_; }
+  T& operator[](int64_t i) { return p_[i]; }
+
+ private:
+  T* p_;
+};
+
 // Buffers shared by all benchmarks (allocated and touched once, outside the timed loops).
 struct Buffers {
-  std::vector<uint16_t> grad, param, m16, v16;
-  std::vector<float> master, m32, v32;
+  Aligned<uint16_t> grad, param, m16, v16;
+  Aligned<float> master, m32, v32;
   Buffers() : grad(kN), param(kN), m16(kN), v16(kN), master(kN), m32(kN), v32(kN) {
     for (int64_t i = 0; i < kN; ++i) {
       grad[i] = tsd::kernels::F32ToBf16Rne(Value(i) * 0.01f);

@@ -106,7 +106,10 @@ TSD_INLINE __m128i F32ToBf16Rne8(__m256 x) {
 
 // One vector of 8 elements starting at element i; idx0 is the bucket index (low 32 bits) of
 // element i.
-template <DType G, DType M, POut P>
+// With kNt the working parameter's stores (written only; the GPU's H2D copy reads them from memory
+// next) bypass the cache: an ordinary store first reads the line it writes. Needs the output
+// aligned to a vector (32 bytes of fp32, 16 of fp16/bf16).
+template <DType G, DType M, POut P, bool kNt = false>
 TSD_INLINE void Step8(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t idx0) {
   __m256 g = LoadAsF32<G>(b.grad, i);
   if (c.scale_grad) g = _mm256_mul_ps(g, c.grad_scale);
@@ -132,15 +135,27 @@ TSD_INLINE void Step8(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t idx
     StoreU16x8(b.exp_avg_sq, i, F32ToBf16Sr8(v, SrRandom8(folded, c.key_exp_avg_sq)));
   }
   if constexpr (P == POut::kF32) {
-    _mm256_storeu_ps(static_cast<float*>(b.param_out) + i, p);
-  } else if constexpr (P == POut::kBF16) {
-    StoreU16x8(b.param_out, i, F32ToBf16Rne8(p));
-  } else if constexpr (P == POut::kF16) {
-    StoreU16x8(b.param_out, i, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if constexpr (kNt) {
+      _mm256_stream_ps(static_cast<float*>(b.param_out) + i, p);
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(b.param_out) + i, p);
+    }
+  } else if constexpr (P == POut::kBF16 || P == POut::kF16) {
+    __m128i h;
+    if constexpr (P == POut::kBF16) {
+      h = F32ToBf16Rne8(p);
+    } else {
+      h = _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    if constexpr (kNt) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param_out) + i), h);
+    } else {
+      StoreU16x8(b.param_out, i, h);
+    }
   }
 }
 
-template <DType G, DType M, POut P>
+template <DType G, DType M, POut P, bool kNt = false>
 void Step(const AdamWTensors& t, const AdamWCoeffs& coeffs) {
   const VecCoeffs c(coeffs);
   const Ptrs b{t.grad, t.master, t.exp_avg, t.exp_avg_sq, t.param_out};
@@ -148,13 +163,15 @@ void Step(const AdamWTensors& t, const AdamWCoeffs& coeffs) {
   const int64_t n = t.n;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    Step8<G, M, P>(b, c, i, lo + static_cast<uint32_t>(i));
-    Step8<G, M, P>(b, c, i + 8, lo + static_cast<uint32_t>(i + 8));
+    Step8<G, M, P, kNt>(b, c, i, lo + static_cast<uint32_t>(i));
+    Step8<G, M, P, kNt>(b, c, i + 8, lo + static_cast<uint32_t>(i + 8));
   }
   if (i + 8 <= n) {
-    Step8<G, M, P>(b, c, i, lo + static_cast<uint32_t>(i));
+    Step8<G, M, P, kNt>(b, c, i, lo + static_cast<uint32_t>(i));
     i += 8;
   }
+  // Non-temporal stores are weakly ordered: visible before the caller publishes the range.
+  if constexpr (kNt) _mm_sfence();
   if (i < n) {
     // Tail: run the same vector code on zero-padded copies of the last r < 8 elements.
     const size_t r = static_cast<size_t>(n - i);
@@ -181,16 +198,23 @@ void Step(const AdamWTensors& t, const AdamWCoeffs& coeffs) {
   }
 }
 
+template <DType G, DType M, POut P>
+void StepOut(const AdamWTensors& t, const AdamWCoeffs& c) {
+  const bool aligned = reinterpret_cast<uintptr_t>(t.param_out) % (P == POut::kF32 ? 32 : 16) == 0;
+  if (aligned) return Step<G, M, P, true>(t, c);
+  return Step<G, M, P, false>(t, c);
+}
+
 template <DType G, DType M>
 void DispatchP(const AdamWTensors& t, const AdamWCoeffs& c) {
   if (t.param_out == nullptr) return Step<G, M, POut::kNone>(t, c);
   switch (t.param_dtype) {
     case DType::kBF16:
-      return Step<G, M, POut::kBF16>(t, c);
+      return StepOut<G, M, POut::kBF16>(t, c);
     case DType::kF16:
-      return Step<G, M, POut::kF16>(t, c);
+      return StepOut<G, M, POut::kF16>(t, c);
     default:
-      return Step<G, M, POut::kF32>(t, c);
+      return StepOut<G, M, POut::kF32>(t, c);
   }
 }
 

@@ -91,6 +91,28 @@ TSD_INLINE void StoreU16(void* base, int64_t i, __m256i x, __mmask16 k) {
   }
 }
 
+// The working parameter's stores (param_out): written only, never read by the kernel, so with
+// kNt (an aligned buffer) they bypass the cache (non-temporal): an ordinary store first reads the
+// line it writes (2 or 4 bytes of host traffic per parameter more); the GPU's H2D copy reads it
+// from memory next. Masked (tail) stores stay ordinary.
+template <bool kMasked, bool kNt>
+TSD_INLINE void StoreOutF32(float* p, __m512 x, __mmask16 k) {
+  if constexpr (kNt && !kMasked) {
+    _mm512_stream_ps(p, x);
+  } else {
+    StoreF32<kMasked>(p, x, k);
+  }
+}
+
+template <bool kMasked, bool kNt>
+TSD_INLINE void StoreOutU16(void* base, int64_t i, __m256i x, __mmask16 k) {
+  if constexpr (kNt && !kMasked) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i), x);
+  } else {
+    StoreU16<kMasked>(base, i, x, k);
+  }
+}
+
 template <DType D, bool kMasked>
 TSD_INLINE __m512 LoadAsF32(const void* base, int64_t i, __mmask16 k) {
   if constexpr (D == DType::kF32) {
@@ -158,7 +180,7 @@ TSD_INLINE __m256i F32ToBf16Rne16(__m512 x) {
 
 // One vector of 16 elements starting at element i; idx0 is the bucket index (low 32 bits) of
 // element i.
-template <DType G, DType M, POut P, bool kBf16Insn, bool kMasked>
+template <DType G, DType M, POut P, bool kBf16Insn, bool kNt, bool kMasked>
 TSD_INLINE void Step16(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t idx0, __mmask16 k) {
   __m512 g = LoadAsF32<G, kMasked>(b.grad, i, k);
   if (c.scale_grad) g = _mm512_mul_ps(g, c.grad_scale);
@@ -184,16 +206,16 @@ TSD_INLINE void Step16(const Ptrs& b, const VecCoeffs& c, int64_t i, uint32_t id
     StoreU16<kMasked>(b.exp_avg_sq, i, F32ToBf16Sr16(v, SrRandom16(folded, c.key_exp_avg_sq)), k);
   }
   if constexpr (P == POut::kF32) {
-    StoreF32<kMasked>(static_cast<float*>(b.param_out) + i, p, k);
+    StoreOutF32<kMasked, kNt>(static_cast<float*>(b.param_out) + i, p, k);
   } else if constexpr (P == POut::kBF16) {
-    StoreU16<kMasked>(b.param_out, i, F32ToBf16Rne16<kBf16Insn>(p), k);
+    StoreOutU16<kMasked, kNt>(b.param_out, i, F32ToBf16Rne16<kBf16Insn>(p), k);
   } else if constexpr (P == POut::kF16) {
-    StoreU16<kMasked>(b.param_out, i,
-                      _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k);
+    StoreOutU16<kMasked, kNt>(b.param_out, i,
+                              _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k);
   }
 }
 
-template <DType G, DType M, POut P, bool kBf16Insn = false>
+template <DType G, DType M, POut P, bool kBf16Insn = false, bool kNt = false>
 void Step(const AdamWTensors& t, const AdamWCoeffs& coeffs) {
   const VecCoeffs c(coeffs);
   const Ptrs b{t.grad, t.master, t.exp_avg, t.exp_avg_sq, t.param_out};
@@ -201,17 +223,33 @@ void Step(const AdamWTensors& t, const AdamWCoeffs& coeffs) {
   const int64_t n = t.n;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    Step16<G, M, P, kBf16Insn, false>(b, c, i, lo + static_cast<uint32_t>(i), 0);
-    Step16<G, M, P, kBf16Insn, false>(b, c, i + 16, lo + static_cast<uint32_t>(i + 16), 0);
+    Step16<G, M, P, kBf16Insn, kNt, false>(b, c, i, lo + static_cast<uint32_t>(i), 0);
+    Step16<G, M, P, kBf16Insn, kNt, false>(b, c, i + 16, lo + static_cast<uint32_t>(i + 16), 0);
   }
   if (i + 16 <= n) {
-    Step16<G, M, P, kBf16Insn, false>(b, c, i, lo + static_cast<uint32_t>(i), 0);
+    Step16<G, M, P, kBf16Insn, kNt, false>(b, c, i, lo + static_cast<uint32_t>(i), 0);
     i += 16;
   }
   if (i < n) {
     const __mmask16 k = _cvtu32_mask16((1u << (n - i)) - 1u);
-    Step16<G, M, P, kBf16Insn, true>(b, c, i, lo + static_cast<uint32_t>(i), k);
+    Step16<G, M, P, kBf16Insn, kNt, true>(b, c, i, lo + static_cast<uint32_t>(i), k);
   }
+  // Non-temporal stores are weakly ordered: they must be visible before whoever called this
+  // publishes the range as done (a release store, which does not order them).
+  if constexpr (kNt) _mm_sfence();
+}
+
+// A vector's param_out store is aligned (16 elements: 64 bytes of fp32, 32 of fp16/bf16) when
+// the range's first element is.
+template <POut P>
+bool OutAligned(const void* param_out) {
+  return reinterpret_cast<uintptr_t>(param_out) % (P == POut::kF32 ? 64 : 32) == 0;
+}
+
+template <DType G, DType M, POut P, bool kBf16Insn = false>
+void StepOut(const AdamWTensors& t, const AdamWCoeffs& c) {
+  if (OutAligned<P>(t.param_out)) return Step<G, M, P, kBf16Insn, true>(t, c);
+  return Step<G, M, P, kBf16Insn, false>(t, c);
 }
 
 template <DType G, DType M>
@@ -219,12 +257,12 @@ void DispatchP(const AdamWTensors& t, const AdamWCoeffs& c) {
   if (t.param_out == nullptr) return Step<G, M, POut::kNone>(t, c);
   switch (t.param_dtype) {
     case DType::kBF16:
-      if (Avx512UseBf16Insn()) return Step<G, M, POut::kBF16, true>(t, c);
-      return Step<G, M, POut::kBF16, false>(t, c);
+      if (Avx512UseBf16Insn()) return StepOut<G, M, POut::kBF16, true>(t, c);
+      return StepOut<G, M, POut::kBF16, false>(t, c);
     case DType::kF16:
-      return Step<G, M, POut::kF16>(t, c);
+      return StepOut<G, M, POut::kF16>(t, c);
     default:
-      return Step<G, M, POut::kF32>(t, c);
+      return StepOut<G, M, POut::kF32>(t, c);
   }
 }
 

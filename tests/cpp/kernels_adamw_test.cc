@@ -765,6 +765,38 @@ TEST_P(AdamWIsaTest, AgreesWithScalarPathBitExact) {
   detail::SetAvx512UseBf16Insn(had_insn);
 }
 
+// The working parameter's output is written with non-temporal stores where its buffer is aligned
+// (64 bytes for fp32, 32 for fp16/bf16) and with ordinary ones where it is not: both give the
+// scalar path's bits, tail included, and leave the bytes around the output alone.
+TEST_P(AdamWIsaTest, ParamOutputAlignedOrNotBitExact) {
+  constexpr size_t kN = 4099;  // whole vectors and a tail of 3
+  for (const Combo& combo : AllCombos()) {
+    if (!combo.has_param) continue;
+    const size_t es = DTypeSize(combo.param);
+    Problem scalar(combo, kN);
+    FillRandom(scalar, 21, /*random_state=*/true);
+    const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01, 3, 1.0f};
+    Problem ref = scalar;
+    AdamWStep(ref.Tensors(), h, Isa::kScalar);
+    for (size_t offset :
+         {size_t{0}, size_t{1}, size_t{16 / es}}) {  // aligned, one element off, 16 bytes off
+      const size_t bytes = (kN + 64) * es;
+      auto* raw = static_cast<unsigned char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+      ASSERT_NE(raw, nullptr);
+      std::memset(raw, 0xA5, bytes);
+      Problem pr = scalar;
+      AdamWTensors t = pr.Tensors();
+      t.param_out = raw + offset * es;
+      AdamWStep(t, h, isa());
+      const std::string what = combo.Name() + " offset " + std::to_string(offset);
+      EXPECT_EQ(std::memcmp(raw + offset * es, ref.param.data(), kN * es), 0) << what;
+      for (size_t i = 0; i < offset * es; ++i) ASSERT_EQ(raw[i], 0xA5) << what << " byte " << i;
+      for (size_t i = (offset + kN) * es; i < bytes; ++i) ASSERT_EQ(raw[i], 0xA5) << what;
+      std::free(raw);
+    }
+  }
+}
+
 // The param copy is master rounded to nearest even, for all kinds of values (subnormals, ties,
 // overflow, NaN, Inf): lr = wd = 0 and zero moments leave master unchanged.
 TEST_P(AdamWIsaTest, ParamOutputConversions) {
