@@ -529,7 +529,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.events.append(f"quantize: the frozen block weights are {quantized} (quant_block_size={opts['quant_block_size']})")
     host = (f"host RAM {format_bytes(plan.host_bytes)} of the {format_bytes(plan.host_room)} this process may take, "
             if plan.host_room is not None else "")
-    lap("hooks")
+    lap("to the device and hooks")
     took = (f"; took {time.perf_counter() - t_start:.1f} s (" + ", ".join(f"{w} {t:.1f}" for w, t in phases) + ")")
     session.events.append(f"wrap: {len(prep.buckets)} buckets, {plan.demand.parameters:,} parameters"
                           f"{f' ({len(prep.gpu)} tensors of them in the GPU share)' if prep.gpu else ''}, "

@@ -40,6 +40,16 @@ int64_t MappingRss(const void* p) {
   return -1;
 }
 
+// Every page of [p, p + bytes) is mapped: its Rss is the size, less at most 1% (a page that the
+// kernel is migrating at the moment smaps is read, for compaction, is not counted; CI saw 4 pages
+// of 300 MiB missing once, under memory pressure). A mapping that was not faulted in has an Rss
+// near 0.
+void ExpectFaultedIn(const void* p, uint64_t bytes, const std::string& what) {
+  const int64_t rss = MappingRss(p);
+  EXPECT_GE(rss, static_cast<int64_t>(bytes - bytes / 100)) << what;
+  EXPECT_LE(rss, static_cast<int64_t>(bytes)) << what;
+}
+
 // A fallocated memfd of `bytes`, mapped shared without populating (as Region::Create maps it).
 struct Mapping {
   explicit Mapping(uint64_t bytes) : bytes(bytes) {
@@ -68,7 +78,7 @@ TEST(Populate, FaultsInEveryPageWithSeveralThreadsAndKeepsTheContents) {
   ASSERT_GE(before, 0);
   EXPECT_LT(before, static_cast<int64_t>(bytes / 2));  // nothing faulted in yet but the two pages
   ASSERT_TRUE(PopulateMapping(m.data, bytes, 4).ok());
-  EXPECT_EQ(MappingRss(m.data), static_cast<int64_t>(bytes));
+  ExpectFaultedIn(m.data, bytes, "4 threads");
   EXPECT_EQ(m.data[0], 7);
   EXPECT_EQ(m.data[bytes - 1], 9);
   EXPECT_EQ(m.data[bytes / 2], 0);
@@ -79,8 +89,8 @@ TEST(Populate, OneThreadAndMoreThreadsThanChunksWork) {
   Mapping one(bytes), many(bytes);
   ASSERT_TRUE(PopulateMapping(one.data, bytes, 1).ok());
   ASSERT_TRUE(PopulateMapping(many.data, bytes, 64).ok());  // one chunk: one thread does it
-  EXPECT_EQ(MappingRss(one.data), static_cast<int64_t>(bytes));
-  EXPECT_EQ(MappingRss(many.data), static_cast<int64_t>(bytes));
+  ExpectFaultedIn(one.data, bytes, "1 thread");
+  ExpectFaultedIn(many.data, bytes, "64 threads asked");
   EXPECT_TRUE(PopulateMapping(one.data, 0).ok());
 }
 
@@ -116,7 +126,7 @@ TEST(Populate, RegionsAreFaultedInWhenCreated) {
   const uint64_t bytes = 320ull << 20;
   auto r = Region::Create(1, "populated", bytes, /*lock=*/false);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(MappingRss((*r)->data()), static_cast<int64_t>(bytes));
+  ExpectFaultedIn((*r)->data(), bytes, "region");
   EXPECT_EQ(static_cast<const char*>((*r)->data())[bytes - 1], 0);
 }
 

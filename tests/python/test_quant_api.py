@@ -63,6 +63,27 @@ def test_bad_inputs_are_refused_clearly():
         Q.dequantize_reference(codes[:10], absmax, "int8", 64, 128, torch.float32)
 
 
+def test_quantize_in_ranges_on_threads_gives_the_single_calls_bits(monkeypatch):
+    """quantize_tensor splits a large tensor into whole-block ranges quantized on threads: the codes
+    and absmax are those of one call over the whole tensor (a last partial block and an odd
+    element count included), and an error still names the element in the whole tensor."""
+    from trainstream.quant import formats
+
+    x = torch.randn(10 * 4096 + 37, dtype=torch.bfloat16)
+    x[5000:5064] = 0  # a whole zero block inside a range
+    monkeypatch.setattr(formats, "QUANTIZE_CHUNK", 1 << 30)
+    want = {k: Q.quantize_tensor(x, k, 64) for k in ("nf4", "int8")}
+    monkeypatch.setattr(formats, "QUANTIZE_CHUNK", 4096)  # 11 ranges
+    monkeypatch.setattr(formats, "_quantize_threads", lambda: 4)
+    for kind, (codes, absmax) in want.items():
+        got_codes, got_absmax = Q.quantize_tensor(x, kind, 64)
+        assert torch.equal(got_codes, codes) and torch.equal(got_absmax, absmax), kind
+    y = x.clone()
+    y[9 * 4096 + 130] = float("nan")
+    with pytest.raises(ValueError, match=rf"element {9 * 4096 + 130} \(block {(9 * 4096 + 130) // 64}\) of the input is NaN"):
+        Q.quantize_tensor(y, "nf4", 64)
+
+
 def test_quantized_weight_and_parameter():
     w = torch.randn(48, 64, dtype=torch.bfloat16)
     q = Q.QuantizedWeight.quantize(w, "nf4", 64)

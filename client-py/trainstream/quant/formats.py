@@ -11,6 +11,7 @@ fp32 absmax per block). Every kernel is bit-exact with the scalar reference.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
 import threading
@@ -138,11 +139,46 @@ def quantize_tensor(w: torch.Tensor, kind: str, block_size: int = 64) -> tuple[t
     absmax = torch.empty(absmax_count(n, block_size), dtype=torch.float32)
     if n == 0:
         return codes, absmax
-    err = ctypes.create_string_buffer(_ERR_LEN)
-    rc = _load().tsd_quant_quantize(_KIND_ID[kind], src.data_ptr(), _DTYPE_ID[src.dtype], n, block_size,
-                                    codes.data_ptr(), absmax.data_ptr(), err, _ERR_LEN)
-    _raise(rc, err, f"cannot quantize this tensor to {kind} (shape {tuple(w.shape)})")
+    lib, es = _load(), src.element_size()
+    per_code = 2 if kind == "nf4" else 1  # elements per code byte (block sizes are even)
+
+    def part(start: int, count: int) -> tuple[int, bytes]:
+        # Blocks are independent: a range that starts on a block boundary gives the same codes and
+        # absmax as the whole call gives for it. ctypes lets go of the GIL during the call.
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = lib.tsd_quant_quantize(_KIND_ID[kind], src.data_ptr() + start * es, _DTYPE_ID[src.dtype], count,
+                                    block_size, codes.data_ptr() + start // per_code,
+                                    absmax.data_ptr() + (start // block_size) * 4, err, _ERR_LEN)
+        return rc, err.value
+
+    chunk = max(1, QUANTIZE_CHUNK // block_size) * block_size
+    starts = range(0, n, chunk)
+    threads = min(len(starts), _quantize_threads())
+    if threads <= 1:
+        results = [part(0, n)]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="trainstream-quantize") as pool:
+            results = list(pool.map(lambda s0: part(s0, min(chunk, n - s0)), starts))
+    if any(rc != 0 for rc, _ in results):
+        # A range's message counts elements from its own start: the whole call names the element.
+        rc, msg = part(0, n) if len(results) > 1 else results[0]
+        raise ValueError(f"cannot quantize this tensor to {kind} (shape {tuple(w.shape)}): "
+                         f"{msg.decode(errors='replace')}")
     return codes, absmax
+
+
+# quantize_tensor splits a tensor into ranges of this many elements (whole blocks) and quantizes
+# them on up to _quantize_threads() threads: one thread quantizes about 1.1 G elements/s on the
+# development machine's AVX-512, so a 14B base took about 12 s on one.
+QUANTIZE_CHUNK = 1 << 23
+
+
+def _quantize_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
 
 
 def _check_buffers(codes: torch.Tensor, absmax: torch.Tensor, kind: str, block_size: int, numel: int) -> None:
