@@ -135,10 +135,7 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
                        if "gpu_forward_ms" in v and "gpu_backward_ms" in v])
 
     ok = [r for r in records if r.get("status") == "ok"]
-    stock_fb = fwd_bwd([r["values"] for r in ok if r["mode"] == "stock"])
-    if stock_fb is None:  # peers.py times stock's whole step: an upper bound of its forward and backward
-        stock_fb = median([r["values"]["step_s_median"] for r in ok if r["mode"] == "stock"
-                           and isinstance(r["values"].get("step_s_median"), (int, float))])
+    stock_fb = stream.stock_gpu_s([r["values"] for r in ok if r["mode"] == "stock"])
     bw = float(measured["bandwidth_gbs"])
     out = [f"bound = max(GPU forward+backward ({'stock: %.3f s' % stock_fb if stock_fb else 'the mode own'}), "
            f"host bytes per step / STREAM {bw:.1f} GB/s)"]

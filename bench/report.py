@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
+import stream  # noqa: E402
 
 DOCS = os.path.join(benchlib.ROOT, "docs", "benchmarks.md")
 MARGIN = 0.10
@@ -491,24 +492,21 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_run: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_run.setdefault(r["run_id"], []).append(r)
+    per_run: dict[str, tuple[Optional[float], Optional[float]]] = {}  # run -> (STREAM GB/s, stock's GPU part)
+    for run_id, run in by_run.items():
+        ok = [x for x in run if x["status"] == "ok"]
+        bw = next((x["values"].get("bandwidth_gbs") for x in ok if x["mode"] == "stream"), None)
+        per_run[run_id] = (bw, stream.stock_gpu_s([x["values"] for x in ok if x["mode"] == "stock"]))
     out = []
     for r in records:
-        run = by_run[r["run_id"]]
-        bw = next((x["values"].get("bandwidth_gbs") for x in run if x["mode"] == "stream" and x["status"] == "ok"), None)
+        bw, stock_s = per_run[r["run_id"]]
         v = r["values"]
         if not bw or r["status"] != "ok" or not isinstance(v.get("host_bytes_per_step"), (int, float)):
             out.append(r)
             continue
-        stock_runs = [x["values"] for x in run if x["mode"] == "stock" and x["status"] == "ok"]
-        stock = [(x["gpu_forward_ms"] + x["gpu_backward_ms"]) / 1e3 for x in stock_runs
-                 if "gpu_forward_ms" in x and "gpu_backward_ms" in x]
-        # peers.py times stock's whole step only: an upper bound of its forward and backward, which
-        # matters only where it exceeds the host's part
-        stock = stock or [x["step_s_median"] for x in stock_runs if isinstance(x.get("step_s_median"), (int, float))]
         own = (v.get("gpu_forward_ms", 0.0) + v.get("gpu_backward_ms", 0.0)) / 1e3
-        gpu_s = benchlib.median(stock) if stock else own
         host_s = v["host_bytes_per_step"] / (float(bw) * 1e9)
-        bound = max(gpu_s, host_s)
+        bound = stream.bound_s(stock_s if stock_s is not None else own, v["host_bytes_per_step"], float(bw))
         extra = {"host_s": host_s, "bound_s": bound}
         if bound > 0 and isinstance(v.get("step_s_median"), (int, float)):
             extra["step_over_bound"] = v["step_s_median"] / bound

@@ -53,6 +53,21 @@ def bound_s(forward_backward_s: float, host_bytes_per_step: float, stream_gbs: f
     return max(forward_backward_s, host_bytes_per_step / (stream_gbs * 1e9))
 
 
+def stock_gpu_s(stock_values: list[dict[str, Any]]) -> Optional[float]:
+    """The GPU part of a run's bounds from its stock records' values: the median (the upper middle
+    for an even count) of stock's forward + backward where they carry them, else of its whole step
+    (peers.py times only that: an upper bound of its forward and backward, which matters only where
+    it exceeds the host's part); None without stock."""
+    def median(xs: list[float]) -> Optional[float]:
+        return sorted(xs)[len(xs) // 2] if xs else None
+
+    fb = [(v["gpu_forward_ms"] + v["gpu_backward_ms"]) / 1e3 for v in stock_values
+          if "gpu_forward_ms" in v and "gpu_backward_ms" in v]
+    if fb:
+        return median(fb)
+    return median([v["step_s_median"] for v in stock_values if isinstance(v.get("step_s_median"), (int, float))])
+
+
 def find_binary(given: Optional[str], tsd_bin: Optional[str], root: str) -> Optional[str]:
     """stream_bench: `given`, else beside the tsd binary, else root/build/bin; None when absent."""
     if given:

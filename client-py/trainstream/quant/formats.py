@@ -142,14 +142,14 @@ def quantize_tensor(w: torch.Tensor, kind: str, block_size: int = 64) -> tuple[t
     lib, es = _load(), src.element_size()
     per_code = 2 if kind == "nf4" else 1  # elements per code byte (block sizes are even)
 
-    def part(start: int, count: int) -> tuple[int, bytes]:
+    def part(start: int, count: int) -> tuple[int, ctypes.Array[ctypes.c_char]]:
         # Blocks are independent: a range that starts on a block boundary gives the same codes and
         # absmax as the whole call gives for it. ctypes lets go of the GIL during the call.
         err = ctypes.create_string_buffer(_ERR_LEN)
         rc = lib.tsd_quant_quantize(_KIND_ID[kind], src.data_ptr() + start * es, _DTYPE_ID[src.dtype], count,
                                     block_size, codes.data_ptr() + start // per_code,
                                     absmax.data_ptr() + (start // block_size) * 4, err, _ERR_LEN)
-        return rc, err.value
+        return rc, err
 
     chunk = max(1, QUANTIZE_CHUNK // block_size) * block_size
     starts = range(0, n, chunk)
@@ -161,9 +161,8 @@ def quantize_tensor(w: torch.Tensor, kind: str, block_size: int = 64) -> tuple[t
             results = list(pool.map(lambda s0: part(s0, min(chunk, n - s0)), starts))
     if any(rc != 0 for rc, _ in results):
         # A range's message counts elements from its own start: the whole call names the element.
-        rc, msg = part(0, n) if len(results) > 1 else results[0]
-        raise ValueError(f"cannot quantize this tensor to {kind} (shape {tuple(w.shape)}): "
-                         f"{msg.decode(errors='replace')}")
+        rc, err = part(0, n) if len(results) > 1 else results[0]
+        _raise(rc, err, f"cannot quantize this tensor to {kind} (shape {tuple(w.shape)})")
     return codes, absmax
 
 
