@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 SCHEMA = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +144,21 @@ class Nvml:
         first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
         return int(first) if first.isdigit() else 0
 
+    @staticmethod
+    def indices_for_visible(n: int) -> list[int]:
+        """The NVML indices of CUDA devices 0..n-1 as a child started with `CUDA_DEVICE_ORDER=
+        PCI_BUS_ID` (NVML's order) numbers them: the first n entries of CUDA_VISIBLE_DEVICES where
+        it lists numbers, else 0..n-1. Raises ValueError where it names devices otherwise (UUIDs)."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return list(range(n))
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if not all(e.isdigit() for e in entries[:n]):
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: give device numbers to sample several GPUs")
+        if len(entries) < n:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(entries)} devices, {n} asked")
+        return [int(e) for e in entries[:n]]
+
 
 def host_info() -> dict[str, Any]:
     """The machine a run ran on: GPU name and count (NVML; None without a GPU), CPUs (all, and
@@ -211,7 +226,10 @@ def descendants(pid: int) -> list[int]:
 
 class ChildRun:
     """What `run_sampled()` saw of one child: its exit status, output, peak RSS (wait4) and the
-    peaks of the sampled figures (None where not sampled)."""
+    peaks of the sampled figures (None where not sampled). `device_baseline` and `device_peak`
+    are the first sampled GPU's; `device_baselines`, `device_peaks` and `device_steps_peaks`
+    hold every sampled GPU's, in the order asked. The `*_steps_peak` figures are the peaks of
+    the samples taken while the child's phase file existed (its timed steps)."""
 
     def __init__(self) -> None:
         self.returncode = 0
@@ -225,10 +243,20 @@ class ChildRun:
         self.device_peak: Optional[int] = None
         self.tsd_used_peak: Optional[int] = None
         self.samples = 0
+        self.device_baselines: list[Optional[int]] = []
+        self.device_peaks: list[Optional[int]] = []
+        self.device_steps_peaks: list[Optional[int]] = []
+        self.trainer_pss_steps_peak: Optional[int] = None
+        self.daemon_pss_steps_peak: Optional[int] = None
+        self.host_pss_steps_peak: Optional[int] = None
+        self.steps_samples = 0
 
-    def values(self) -> dict[str, float]:
-        """The sampled peaks as record values (GiB)."""
-        v: dict[str, float] = {"rss_peak_gib": self.rss_peak_bytes / GIB}
+    def values(self) -> dict[str, Any]:
+        """The sampled peaks as record values (GiB). With several GPUs sampled,
+        `vram_device_peak_gib` is the largest of theirs (each less its own baseline) and
+        `vram_device_peak_gib_per_gpu` lists them; with a phase file, the `*_steps_peak_gib`
+        figures are those of the timed steps only (setup's transients left out)."""
+        v: dict[str, Any] = {"rss_peak_gib": self.rss_peak_bytes / GIB}
         for key, b in (("trainer_pss_peak_gib", self.trainer_pss_peak), ("tsd_pss_peak_gib", self.daemon_pss_peak),
                        ("host_pss_peak_gib", self.host_pss_peak), ("tsd_used_peak_gib", self.tsd_used_peak),
                        ("vram_device_baseline_gib", self.device_baseline)):
@@ -236,6 +264,18 @@ class ChildRun:
                 v[key] = b / GIB
         if self.device_peak is not None and self.device_baseline is not None:
             v["vram_device_peak_gib"] = max(0, self.device_peak - self.device_baseline) / GIB
+        for key, peaks in (("vram_device_peak_gib", self.device_peaks),
+                           ("vram_device_steps_peak_gib", self.device_steps_peaks)):
+            per_gpu = [max(0, p - b) / GIB for p, b in zip(peaks, self.device_baselines) if p is not None and b is not None]
+            if per_gpu and len(per_gpu) == len(peaks):
+                v[key] = max(per_gpu)
+                if len(per_gpu) > 1:
+                    v[key + "_per_gpu"] = per_gpu
+        for key, b in (("trainer_pss_steps_peak_gib", self.trainer_pss_steps_peak),
+                       ("tsd_pss_steps_peak_gib", self.daemon_pss_steps_peak),
+                       ("host_pss_steps_peak_gib", self.host_pss_steps_peak)):
+            if b is not None:
+                v[key] = b / GIB
         return v
 
 
@@ -247,28 +287,46 @@ def _peak(old: Optional[int], new: Optional[int]) -> Optional[int]:
 
 def run_sampled(argv: list[str], interval_s: float = 0.5, daemon_pid: Optional[int] = None,
                 tsd_used: Optional[Callable[[], Optional[int]]] = None, nvml: Optional[Nvml] = None,
-                gpu_index: int = 0, env: Optional[dict[str, str]] = None) -> ChildRun:
+                gpu_index: int = 0, env: Optional[dict[str, str]] = None,
+                gpu_indices: Optional[Sequence[int]] = None, phase_file: Optional[str] = None) -> ChildRun:
     """Runs `argv` to its end and, every `interval_s` while it runs, samples the PSS of the child
     (with its descendants) and of the daemon (`daemon_pid`), their sum (the host memory of the
     run, tsd's shared regions counted once), the device's used memory (NVML; the child's share
-    is the peak less the baseline read before it started) and `tsd_used()` (the daemon's own
-    used_bytes). Sampling happens here, outside the measured process."""
+    is the peak less the baseline read before it started; every device of `gpu_indices`, else
+    `gpu_index`'s) and `tsd_used()` (the daemon's own used_bytes). While `phase_file` exists
+    (the child creates it when its timed steps begin and removes it after them), the samples
+    also go into the `*_steps_peak` figures. Sampling happens here, outside the measured process."""
     run = ChildRun()
+    indices = list(gpu_indices) if gpu_indices is not None else [gpu_index]
     if nvml is not None:
-        run.device_baseline = nvml.used_bytes(gpu_index)
+        run.device_baselines = [nvml.used_bytes(i) for i in indices]
+        run.device_peaks = [None] * len(indices)
+        run.device_steps_peaks = [None] * len(indices)
+        run.device_baseline = run.device_baselines[0] if indices else None
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
         stop = threading.Event()
 
         def sample() -> None:
+            steps = phase_file is not None and os.path.exists(phase_file)
             trainer = sum(filter(None, (pss_bytes(p) for p in descendants(proc.pid)))) or None
             daemon = pss_bytes(daemon_pid) if daemon_pid else None
             run.trainer_pss_peak = _peak(run.trainer_pss_peak, trainer)
             run.daemon_pss_peak = _peak(run.daemon_pss_peak, daemon)
-            if trainer is not None:
-                run.host_pss_peak = _peak(run.host_pss_peak, trainer + (daemon or 0))
+            host = trainer + (daemon or 0) if trainer is not None else None
+            run.host_pss_peak = _peak(run.host_pss_peak, host)
+            if steps:
+                run.trainer_pss_steps_peak = _peak(run.trainer_pss_steps_peak, trainer)
+                run.daemon_pss_steps_peak = _peak(run.daemon_pss_steps_peak, daemon)
+                run.host_pss_steps_peak = _peak(run.host_pss_steps_peak, host)
+                run.steps_samples += 1
             if nvml is not None:
-                run.device_peak = _peak(run.device_peak, nvml.used_bytes(gpu_index))
+                for k, i in enumerate(indices):
+                    used = nvml.used_bytes(i)
+                    run.device_peaks[k] = _peak(run.device_peaks[k], used)
+                    if steps:
+                        run.device_steps_peaks[k] = _peak(run.device_steps_peaks[k], used)
+                run.device_peak = run.device_peaks[0] if indices else None
             if tsd_used is not None:
                 try:
                     run.tsd_used_peak = _peak(run.tsd_used_peak, tsd_used())
