@@ -29,6 +29,11 @@ Kinds (attributes; any attribute not listed is a filter on the records' workload
   bars    step time and peak VRAM side by side, one bar per mode of one run (selected as `modes`
           selects it): `img=NAME.png`, `modes=`, `title=`, `vram=device|torch` (default device:
           the whole-device peak where the run measured it, else torch's).
+  scaling tokens per second against the GPU count (the records' workload `gpus`), one line per
+          mode, from one run: `run=RUN_ID` or, by default, the newest matching run that holds two
+          or more GPU counts (a `dp_bench.py --scaling` run); `img=NAME.png`, `modes=`, `title=`.
+          The table beside it gives each count's s/step, tokens/s, the speedup over the mode's
+          fewest GPUs and the scaling efficiency (speedup / GPU ratio); skipped counts say why.
 
 Medians and ratios: a mode's figure is the median over the runs of it in the selected run (a
 benchmark's --repeats); a ratio is the ratio of two such medians. A ratio whose margin (its
@@ -74,7 +79,7 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB",
            "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)",
            "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound",
-           "clip_bit_share": "share of steps clipping bit"}
+           "clip_bit_share": "share of steps clipping bit", "tokens_per_s": "tokens/s"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -89,7 +94,7 @@ KNOWN_ATTRS = {"kind", "benchmark", "run", "modes", "cols", "ratio", "target", "
 BLOCK = re.compile(r"^<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->\n(?P<body>.*?)<!-- /report:(?P=name) -->",
                    re.S | re.M)
 OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_.-]+)", re.M)
-KINDS = ("modes", "runs", "raw", "plot", "bars")
+KINDS = ("modes", "runs", "raw", "plot", "bars", "scaling")
 TARGET = re.compile(r"^([^:]+):([^:]+):([^<>=]+)(<=|>=)([0-9.]+)$")  # REFMODE may name a variant (MODE:uncapped)
 
 
@@ -120,7 +125,8 @@ class Block:
 @dataclass
 class Plot:
     """A plot to write: where, its title, and for each mode its (budget GiB, s/step) points
-    (`kind` "lines"), or its one (s/step, peak VRAM GiB) pair (`kind` "bars")."""
+    (`kind` "lines"), its one (s/step, peak VRAM GiB) pair (`kind` "bars"), or its (GPUs,
+    tokens/s) points (`kind` "scaling")."""
 
     path: str
     title: str
@@ -151,7 +157,7 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "clip_bit_share": "{:.2f}",
+FORMATS = {"tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "clip_bit_share": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
@@ -282,9 +288,11 @@ def label(mode: str) -> str:
     return f"`{mode}` ({LABELS[mode]})" if mode in LABELS else f"`{mode}`"
 
 
-def empty(block: Block) -> str:
+def empty(block: Block, note: str = "") -> str:
+    """What a block without matching records shows: that there are none (`note` says what more
+    is missing), and the `howto=` command that produces them."""
     howto = block.get("howto")
-    text = "_No results recorded for this workload yet._"
+    text = "_No results recorded for this workload yet" + (f": {note}" if note else "") + "._"
     return text + (f" Produce them with:\n\n    {howto}\n" if howto else "\n")
 
 
@@ -482,6 +490,67 @@ def render_bars(block: Block, records: list[dict[str, Any]], img_dir: str, plots
                       "|---|---|---|", *rows]) + "\n"
 
 
+def gpu_count(rec: dict[str, Any]) -> Optional[int]:
+    """The GPUs a record's run used (its workload's `gpus`), or None where it does not say."""
+    n = rec["workload"].get("gpus")
+    return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+
+def scaling_run(block: Block, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a scaling block shows: those of `run=`, else of the newest matching run that
+    holds two or more GPU counts (a single-count run of the same workload is not a scaling run)."""
+    bench = block.get("benchmark") or ""
+    want = [m for m in (block.get("modes") or "").split(",") if m]
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if matches(r, bench, block.filters()) and (not want or r["mode"] in want) and gpu_count(r) is not None:
+            by_run.setdefault(r["run_id"], []).append(r)
+    run = block.get("run")
+    if run:
+        return sorted(by_run.get(run, []), key=lambda r: r["order"])
+    runs = [rs for rs in by_run.values() if len({gpu_count(r) for r in rs}) >= 2]
+    return sorted(max(runs, key=run_key), key=lambda r: r["order"]) if runs else []
+
+
+def render_scaling(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
+    img = block.get("img")
+    if not img or not re.fullmatch(r"[A-Za-z0-9_.-]+\.png", img):
+        raise ReportError(f"{block.where()}: give img=NAME.png (letters, digits, '_', '-', '.')")
+    run = scaling_run(block, records)
+    if not run:
+        return empty(block, "no run at two or more GPU counts, so no plot")
+    want = [m for m in (block.get("modes") or "").split(",") if m]
+    counts = sorted({n for r in run if (n := gpu_count(r)) is not None})
+    head = ["mode", "GPUs", "runs", "s/step", "tokens/s", "x its fewest GPUs' tokens/s", "scaling efficiency"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    series: dict[str, list[tuple[float, float]]] = {}
+    for mode in want or list(dict.fromkeys(r["mode"] for r in run)):
+        base: Optional[tuple[int, float]] = None
+        for n in counts:
+            recs = [r for r in run if r["mode"] == mode and gpu_count(r) == n]
+            ok = [r for r in recs if r["status"] == "ok"]
+            if not recs:
+                continue
+            tps, step = mode_median(ok, "tokens_per_s"), mode_median(ok, "step_s_median")
+            if tps is None or step is None:
+                why = next((r for r in recs if r["status"] != "ok"), recs[0])
+                text = f"{why['status']}: {why.get('reason', '')}".strip().splitlines()[-1]
+                lines.append("| " + " | ".join([f"`{mode}`", str(n), "0", cell(text), "", "", ""]) + " |")
+                continue
+            base = base or (n, tps)
+            speedup = tps / base[1]
+            series.setdefault(mode, []).append((float(n), tps))
+            lines.append("| " + " | ".join([f"`{mode}`", str(n), str(len(ok)), fmt_value("step_s_median", step),
+                                            fmt_value("tokens_per_s", tps), f"{speedup:.2f}",
+                                            f"{speedup / (n / base[0]):.2f}"]) + " |")
+    out = run_header(run) + "\n"
+    if series:
+        title = block.get("title") or block.name
+        plots.append(Plot(os.path.join(img_dir, img), title, series, kind="scaling"))
+        out += f"![{title}]({os.path.basename(img_dir)}/{img})\n\n"
+    return out + "\n".join(lines) + "\n"
+
+
 def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Copies of `records` in which each record of a run that measured STREAM (its `stream` record's
     `bandwidth_gbs`) and carries host bytes per step also carries its bound, as finetune_bench
@@ -553,6 +622,8 @@ def generate(doc: str, records: list[dict[str, Any]], img_dir: str) -> tuple[str
             body = render_raw(block, records)
         elif block.kind == "bars":
             body = render_bars(block, records, img_dir, plots)
+        elif block.kind == "scaling":
+            body = render_scaling(block, records, img_dir, plots)
         else:
             body = render_plot(block, records, img_dir, plots)
         return f"<!-- report:{block.name}{m.group('attrs')}-->\n{body}<!-- /report:{block.name} -->"
@@ -569,6 +640,9 @@ def write_plot(plot: Plot) -> None:
 
     if plot.kind == "bars":
         write_bars(plot, plt)
+        return
+    if plot.kind == "scaling":
+        write_scaling(plot, plt)
         return
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for mode, pts in plot.series.items():
@@ -602,6 +676,32 @@ def write_bars(plot: Plot, plt: Any) -> None:
             ax.annotate(f"{v:.2f}" if k == 0 else f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
                         va="bottom", fontsize=7)
     fig.suptitle(plot.title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(plot.path), exist_ok=True)
+    fig.savefig(plot.path, format="png", metadata={"Software": None})
+    plt.close(fig)
+
+
+def write_scaling(plot: Plot, plt: Any) -> None:
+    """Tokens per second against the GPU count, one line per mode, each with a dotted line of
+    linear scaling from its fewest GPUs."""
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    counts: set[float] = set()
+    for k, (mode, pts) in enumerate(plot.series.items()):
+        color = f"C{k % 10}"
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        counts.update(xs)
+        ax.plot(xs, ys, marker="o", color=color, label=mode)
+        if len(pts) > 1:
+            ax.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", color=color, alpha=0.6)
+    ax.set_xticks(sorted(counts))
+    ax.set_xlabel("GPUs (one rank each); dotted: linear scaling")
+    ax.set_ylabel("tokens/s (median step)")
+    ax.set_title(plot.title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(plot.path), exist_ok=True)
     fig.savefig(plot.path, format="png", metadata={"Software": None})

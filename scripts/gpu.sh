@@ -3,7 +3,7 @@
 # root of the copy the device tool sends, with .devdeps carried. Each call starts from a bare
 # machine, so `build` comes first in every call:
 #
-#   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...] [python SCRIPT ARGS...]
+#   scripts/gpu.sh build [kernels] [pytest FILE...] [peers] [finetune ARGS...] [dp ARGS...] [python SCRIPT ARGS...]
 #
 #   build [min [TARGET...]]  tsd, tsctl, the C++ suites, libtsd_quant and the benches (Release, into
 #              /tmp/bg; `min`: only tsd, tsctl, libtsclient, libtsd_quant and stream_bench (the
@@ -19,6 +19,8 @@
 #              extras (bitsandbytes, TRL, datasets) where .devdeps/extras.tar.xz has them
 #              (scripts/gpu-extras.sh writes it)
 #   finetune   bench/finetune_bench.py with the remaining arguments, results in $OUT/finetune.jsonl
+#   dp         bench/dp_bench.py (data parallel: --gpus N, --scaling 1,2,4,8, --modes ...) with the
+#              remaining arguments, results in $OUT/dp.jsonl (`peers` first for ds_offload_dp)
 #   python     a script with its arguments, against that tsd and extension (e.g.
 #              bench/paging_memory_trace.py), its output in $OUT/python.txt
 #
@@ -33,7 +35,7 @@ source .devdeps/device-env.sh
 export TSD_BIN=/tmp/bg/bin/tsd TSD_QUANT_LIB=/tmp/bg/lib/libtsd_quant.so
 export PYTHONPATH=/tmp/tspy:/tmp/site:$PWD/.devdeps/site
 export TSD_BENCH_COMMIT=${TSD_BENCH_COMMIT:-unknown}
-STAGES=" build kernels cpp pytest peers finetune python "
+STAGES=" build kernels cpp pytest peers finetune dp python "
 
 stage_build() {
   local t0=$SECONDS
@@ -92,6 +94,11 @@ stage_peers() {
 stage_finetune() {
   DS_SKIP_CUDA_CHECK=1 python3 bench/finetune_bench.py --peers .devdeps --tsd-bin /tmp/bg/bin/tsd \
     --results "$OUT/finetune.jsonl" "$@"
+}
+
+stage_dp() {
+  DS_SKIP_CUDA_CHECK=1 python3 bench/dp_bench.py --peers .devdeps --tsd-bin /tmp/bg/bin/tsd \
+    --results "$OUT/dp.jsonl" "$@"
 }
 
 stage_python() {
