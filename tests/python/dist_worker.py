@@ -1,4 +1,5 @@
-"""One rank of tests/python/test_distributed.py: a gloo group over localhost, a small MLP trained
+"""One rank of tests/python/test_distributed.py (and test_distributed_nccl.py, one rank per GPU
+with NCCL: `main`'s backend): a gloo group over localhost, a small MLP trained
 data parallel through tsd (`wrap(..., distributed=True)`) next to torch's DDP + AdamW on the same
 data, results as JSON in OUT_DIR/rank<R>.json.
 
@@ -274,12 +275,18 @@ def diverge(rank: int, sock: str, out: dict[str, Any]) -> None:
     out.update(error=None)
 
 
-def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_dir: str, device: str) -> None:
+def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_dir: str, device: str,
+         backend: str = "gloo") -> None:
+    """One rank of `mode`. `backend` is the process group's (gloo; with NCCL, e.g. "cpu:gloo,cuda:nccl",
+    rank r runs on cuda:r, as a launcher with one rank per GPU places it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     out: dict[str, Any] = {"rank": rank}
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
+            out["cuda_device"] = torch.cuda.current_device()
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world)
         if mode in ("parity", "parity-chunked"):
             if mode == "parity-chunked":  # many reduction chunks: biases share one, a weight is one alone
                 import trainstream.distributed
