@@ -64,8 +64,11 @@ def load_peers(folder: str) -> Any:
 
 
 def build_model(a: argparse.Namespace) -> Any:
-    """The workload's model on the CPU: `peers.ARCH[a.arch]` as a Qwen2 causal LM, random weights from
-    seed 0 (the same on every rank and in every mode), gradient checkpointing with --grad-ckpt."""
+    """The workload's model in host memory: `peers.ARCH[a.arch]` as a Qwen2 causal LM, fp32, random
+    weights (normal(0, 0.02), as transformers initialises them) from seed 0, the same on every rank
+    and in every mode; gradient checkpointing with --grad-ckpt. On a GPU machine each tensor is
+    drawn on the rank's GPU and copied over (bench/finetune_model.py's host_model: torch draws on
+    the CPU in one thread, about a minute for a 7B model), one at a time."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -74,7 +77,11 @@ def build_model(a: argparse.Namespace) -> Any:
         raise SystemExit(f"dp_bench: --arch {a.arch} is not in {a.peers}'s ARCH ({', '.join(peers.ARCH)})")
     torch.manual_seed(0)
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])  # type: ignore[call-arg]
-    model = Qwen2ForCausalLM(cfg)
+    if a.device == "cuda":
+        from finetune_model import host_model
+        model = host_model(cfg, torch.float32, "cuda")
+    else:
+        model = Qwen2ForCausalLM(cfg)
     if a.grad_ckpt:
         model.gradient_checkpointing_enable()
     return model

@@ -150,9 +150,12 @@ def _tsd(model: Any, a: argparse.Namespace, world: int, device: str, socket: Opt
     import torch
     import trainstream
 
-    model = model.to(device)
+    options: dict[str, Any] = {}
+    if a.weights == "bf16":  # wrap() takes the fp32 masters from the host and puts bf16 copies on the device
+        options["param_dtype"] = torch.bfloat16
+    else:
+        model = model.to(device)
     opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    options: dict[str, Any] = {"param_dtype": torch.bfloat16} if a.weights == "bf16" else {}
     # One rank alone is a single trainer (distributed=True needs a group of more than one).
     model, opt = trainstream.wrap(model, opt, device=device, socket=socket, distributed=world > 1, offload=True,
                                   moment_dtype="float32", max_grad_norm=a.clip or None, **options)
