@@ -79,7 +79,9 @@ HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (tor
            "restore_rss_anon_growth_mib": "RssAnon growth, restore MiB",
            "host_check_bound_gib": "check_memory's host bound GiB", "host_within_check": "host peak within it (1 = yes)",
            "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound",
-           "clip_bit_share": "share of steps clipping bit", "tokens_per_s": "tokens/s"}
+           "clip_bit_share": "share of steps clipping bit", "tokens_per_s": "tokens/s",
+           "vram_device_steps_peak_gib": "peak VRAM GiB (device, steps)",
+           "host_pss_steps_peak_gib": "host PSS GiB (steps)"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
