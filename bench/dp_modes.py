@@ -150,11 +150,10 @@ def _tsd(model: Any, a: argparse.Namespace, world: int, device: str, socket: Opt
     import torch
     import trainstream
 
-    options: dict[str, Any] = {}
-    if a.weights == "bf16":  # wrap() takes the fp32 masters from the host and puts bf16 copies on the device
-        options["param_dtype"] = torch.bfloat16
-    else:
-        model = model.to(device)
+    # On the device first, as finetune_bench's tsd modes do; with --weights bf16 wrap() then takes
+    # the fp32 masters from it and leaves bf16 working copies (the fp32 copy is gone before the steps).
+    model = model.to(device)
+    options: dict[str, Any] = {"param_dtype": torch.bfloat16} if a.weights == "bf16" else {}
     opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     # One rank alone is a single trainer (distributed=True needs a group of more than one).
     model, opt = trainstream.wrap(model, opt, device=device, socket=socket, distributed=world > 1, offload=True,
