@@ -4,15 +4,18 @@ The ranks of a `torch.distributed` group that share one tsd (one node) are sessi
 and share its optimizer: the fp32 masters and the moments exist once per node, and tsd updates
 each bucket once with all of the node's cores. How a step goes:
 
-* Backward leaves the gradients in `p.grad` (no per-gradient delivery): micro-batches of gradient
-  accumulation add up there, and the gradients are reduced once per `step()`, as DDP's `no_sync`.
-* `step()`: the ranks agree which buckets got a gradient on any rank (one small all-reduce), then
-  each bucket's gradient is reduced (summed, divided by the world size, as DDP averages) to the
-  rank of the node that owns the bucket (`reduce` within the node), and with several nodes the
-  owners of the same buckets on every node all-reduce their nodes' sums (so each gets the global
-  sum and every node's tsd holds the same state). The owner writes it into the bucket's gradient slot and rings
-  its doorbell; tsd steps it once. With `max_grad_norm`, each rank commits and tsd clips by the
-  global norm once every rank of the node committed: every bucket of the job is on that tsd.
+* Gradients: each bucket's gradient is reduced (summed, then divided by the world size, as DDP
+  averages) onto the rank of the node that owns the bucket (`reduce` within the node), and with
+  several nodes the owners of the same buckets on every node all-reduce their nodes' sums (so each
+  gets the global sum and every node's tsd holds the same state). The owner writes it into the
+  bucket's gradient slot and rings its doorbell; tsd steps it once. Where the group's backend
+  reduces tensors on the gradients' device (NCCL for CUDA, gloo for the CPU) this runs bucket by
+  bucket during backward, as each bucket's last gradient of the step comes; otherwise at `step()`
+  through a host buffer (reduction.py). Micro-batches of gradient accumulation add up in `p.grad`
+  first (`accumulation_steps=`). At `step()` the ranks agree which buckets got a gradient on any
+  rank (one small all-reduce over a gloo group of their own), reduce what is left, and with
+  `max_grad_norm` each rank commits: tsd clips by the global norm once every rank of the node
+  committed (every bucket of the job is on that tsd).
 * Every rank copies each updated bucket back from the shared parameter slot once tsd's step
   count of the bucket says the update is there.
 
@@ -34,14 +37,17 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from .engine import hyper_changed
 from .errors import TsdError
+from .reduction import HostChunks, StreamedReduction, backend_for
 
 __all__ = ["DataParallel", "check_option", "enabled"]
 
 _T = TypeVar("_T")
 
-# The gradients of a step cross the group in chunks of about this many bytes (one host buffer).
-REDUCE_CHUNK_BYTES = 64 << 20
+# How the gradients cross the group: "auto" (on their device where the group's backend can,
+# else through a host buffer at step()), "device" or "host" (reduction.py; tests force one).
+REDUCTION = "auto"
 
 # wrap() options that do not work with distributed= yet, and the values they must keep.
 _UNSUPPORTED = {"overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
@@ -105,13 +111,19 @@ class DataParallel:
         self.local_world = len(self.local)
         self.owner: list[int] = []     # bucket -> the local rank that delivers it to tsd
         self.expected: list[int] = []  # bucket -> tsd's step count once this rank's last step is in
+        # Small host collectives (flags, objects) and HostChunks' reductions run over gloo groups of
+        # their own, whatever the group's backend, and apart from the reductions in flight.
+        self.ctrl: Any = None
         # Several nodes: the group of this node's ranks, and that of the ranks with this local rank
-        # on every node (the owners of the same buckets), whose all-reduce joins the nodes' sums.
+        # on every node (the owners of the same buckets), whose all-reduce joins the nodes' sums;
+        # each also over gloo.
         self.node_group: Any = None
         self.cross_group: Any = None
+        self.node_ctrl: Any = None
+        self.cross_ctrl: Any = None
         # Several nodes: every this many steps the nodes compare a checksum of their tsd's masters.
         self.check_every = 100
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # host staging of the reductions, by dtype
+        self.reducer: Any = None  # reduction.StreamedReduction or HostChunks, chosen by finish_wrap()
 
     # ---- set-up
     @classmethod
@@ -155,10 +167,16 @@ class DataParallel:
                              f"{[len(n) for n in nodes]}); launch as many ranks on each node")
         assert job is not None
         dp = cls(group, job, nodes)
-        if len(nodes) > 1:  # every rank makes every group, in the same order
-            node_groups = [dist.new_group(n) for n in nodes]
-            cross_groups = [dist.new_group([n[j] for n in nodes]) for j in range(dp.local_world)]
-            dp.node_group, dp.cross_group = node_groups[dp.node], cross_groups[dp.local_rank]
+        # Every rank makes every group, in the same order.
+        dp.ctrl = dist.new_group(backend="gloo")
+        if len(nodes) > 1:
+            for backend in (None, "gloo"):
+                node_groups = [dist.new_group(n, backend=backend) for n in nodes]
+                cross_groups = [dist.new_group([n[j] for n in nodes], backend=backend) for j in range(dp.local_world)]
+                if backend is None:
+                    dp.node_group, dp.cross_group = node_groups[dp.node], cross_groups[dp.local_rank]
+                else:
+                    dp.node_ctrl, dp.cross_ctrl = node_groups[dp.node], cross_groups[dp.local_rank]
         return dp
 
     def assign(self, numels: list[int]) -> None:
@@ -188,7 +206,7 @@ class DataParallel:
         dist = _dist()
         # Every rank planned (its memory check) before the first registers: none counts the
         # shared optimizer as already taken from the job's quota.
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.ctrl)
         spec = self.rank_spec(request)
         if self.local_world == 1:
             handle = client._register_optimizer(**spec)
@@ -214,7 +232,7 @@ class DataParallel:
             error = e
         flags = torch.zeros(self.world, dtype=torch.int32)
         flags[self.rank] = 0 if error is None else 1
-        dist.all_reduce(flags, group=self.group)
+        dist.all_reduce(flags, group=self.ctrl)
         if error is not None:
             raise error
         failed = [r for r in range(self.world) if int(flags[r])]
@@ -237,7 +255,7 @@ class DataParallel:
                 box[0] = (info, sorted(ahead))
             except BaseException as e:  # noqa: BLE001 - every rank raises it below
                 box[0] = e
-        group = self.group if len(self.nodes) == 1 else self.node_group
+        group = self.ctrl if len(self.nodes) == 1 else self.node_ctrl
         dist.broadcast_object_list(box, src=self.local[0], group=group)
         if isinstance(box[0], BaseException):
             if self.local_rank == 0:
@@ -246,7 +264,7 @@ class DataParallel:
                            f"{self.job!r}: {box[0]}")
         info, ahead_list = box[0]
         points: list[Any] = [None] * self.world
-        dist.all_gather_object(points, (info.steps, list(info.bucket_steps), ahead_list), group=self.group)
+        dist.all_gather_object(points, (info.steps, list(info.bucket_steps), ahead_list), group=self.ctrl)
         if any(p != points[0] for p in points):
             raise TsdError(f"the ranks resumed job {self.job!r} at different points ((steps, tsd's step count of each "
                            f"bucket, buckets ahead) by rank: {points}); the nodes' kept states differ, so the run "
@@ -267,7 +285,7 @@ class DataParallel:
             except BaseException as e:  # the other ranks must not go on with what did not happen
                 error = e
         ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.ctrl)
         if error is not None:
             raise error
         if int(ok.item()) == 0:
@@ -295,41 +313,83 @@ class DataParallel:
             for p in params:
                 dist.broadcast(p.data, src=0, group=self.group)
 
-    def finish_wrap(self) -> None:
-        """The masters are written before any rank steps."""
-        _dist().barrier(group=self.group)
+    def finish_wrap(self, session: Any) -> str:
+        """The masters are written before any rank steps; chooses how the gradients cross the group
+        (every rank the same; `REDUCTION`) and returns a line saying which."""
+        dist = _dist()
+        device = session.device
+        backend = backend_for(self.group, device.type)
+        can = torch.tensor([1 if backend is not None else 0], dtype=torch.int32)
+        dist.all_reduce(can, op=dist.ReduceOp.MIN, group=self.ctrl)  # also the barrier: the masters are in
+        on_device = REDUCTION == "device" or (REDUCTION == "auto" and int(can.item()) == 1)
+        if on_device and backend is None:
+            raise ValueError(f"the process group has no backend for {device.type} tensors (its backend: "
+                             f"{dist.get_backend(self.group)}): it cannot reduce the gradients where they are")
+        if on_device:
+            self.reducer = StreamedReduction(self, device, len(session.params))
+            return (f"gradients reduced on {device.type} through {backend}, bucket by bucket as backward "
+                    f"finishes them")
+        self.reducer = HostChunks(self)
+        why = "" if REDUCTION == "host" else f" (the group has no backend for {device.type} tensors on every rank)"
+        return f"gradients reduced at step() through a host buffer over gloo{why}"
+
+    def write_hyper(self, session: Any, hyper: list[tuple[float, ...]]) -> None:
+        """The node's first rank writes the step's hyperparameters into tsd (checked first)."""
+        session.check_hyper(hyper)
+        if self.local_rank == 0:
+            for gi, values in enumerate(hyper):
+                session.handle.set_group(gi, *values)
+
+    def deliver(self, session: Any, b: int, flat: torch.Tensor, stream: Any = None) -> None:
+        """The owner's delivery of bucket b's reduced gradient `flat` into its slot (copied on
+        `stream` and the doorbell rung from it, when given). Skips a bucket tsd already updated in
+        this step before a rank died (resumed)."""
+        if b in session.skip:
+            return
+        h = session.handle
+        h.wait(b)  # the slot is free (its last delivery was taken)
+        slot = session.params[b].grad_slot
+        if stream is None:
+            slot.copy_(flat)
+            h.ready(b, True, True)
+        else:
+            slot.copy_(flat, non_blocking=True)
+            h.ready_on_stream(stream.cuda_stream, b, True, True)
 
     # ---- a step
     def finish_step(self, session: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Reduces this step's gradients, has tsd step each bucket once (its owner delivers it)
-        and copies every updated bucket back into the model."""
+        """Reduces what is left of this step's gradients, has tsd step each bucket once (its
+        owner delivers it) and copies every updated bucket back into the model."""
         try:
-            self._step(session, optimizer)
+            changed = self._step(session, optimizer)
         except RuntimeError as e:
             if isinstance(e, TsdError):
                 raise
             raise TsdError(f"data-parallel step {session.steps + 1} failed on rank {self.rank} of {self.world}: a "
                            f"collective over torch.distributed failed (did another rank die?): {e}") from e
+        if changed is not None:
+            raise hyper_changed(*changed)
 
-    def _step(self, session: Any, optimizer: torch.optim.Optimizer) -> None:
+    def _step(self, session: Any, optimizer: torch.optim.Optimizer) -> Optional[tuple[Any, Any]]:
         dist = _dist()
         h = session.handle
         params = session.params
-        has = torch.tensor([ps.param.grad is not None for ps in params], dtype=torch.int32)
-        dist.all_reduce(has, group=self.group)
+        red = self.reducer
+        has = torch.tensor([ps.param.grad is not None or b in red.taken for b, ps in enumerate(params)],
+                           dtype=torch.int32)
+        dist.all_reduce(has, group=self.ctrl)
         stepped = [b for b in range(len(params)) if int(has[b]) > 0]
         hyper = session.group_hyper(optimizer)
-        session.check_hyper(hyper)
-        if self.local_rank == 0:
-            for gi, values in enumerate(hyper):  # before any owner rings (the reductions order it)
-                h.set_group(gi, *values)
-        for owner in range(self.local_world):
-            mine = [b for b in stepped if self.owner[b] == owner]
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for b in mine:
-                by_dtype.setdefault(params[b].grad_slot.dtype, []).append(b)
-            for dtype, buckets in by_dtype.items():
-                self._reduce(session, buckets, dtype, owner)
+        changed = None
+        if red.hyper is None or (session.max_grad_norm > 0 and hyper != red.hyper):
+            # Before any owner rings this step (nothing launched yet); with clipping tsd reads them
+            # at the commit, so the values at step() count, as for a single trainer.
+            self.write_hyper(session, hyper)
+        elif hyper != red.hyper:
+            changed = (red.hyper, hyper)  # tsd applied the values of the step's first reduction
+        red.finish(session, stepped)
+        if session.cuda:
+            session.side_stream.synchronize()  # every doorbell of this step has been rung
         skip = session.skip  # resumed: buckets tsd updated in this step before a rank died
         if session.max_grad_norm > 0 and any(b not in skip for b in stepped):
             # tsd clips by the global norm once every rank of the node committed (a resumed step
@@ -349,9 +409,11 @@ class DataParallel:
         if session.marks is not None:  # the node's first rank, for a kept job (resume.py)
             session.marks.record(session.steps + 1, set(stepped) | skip)
         skip.clear()
+        red.end_step()
         session.steps += 1
         if len(self.nodes) > 1 and session.steps % self.check_every == 0:
             self._check_nodes_agree(session)
+        return changed
 
     def _check_nodes_agree(self, session: Any) -> None:
         """Every node's tsd must hold the same masters (each stepped the same reduced gradients):
@@ -362,70 +424,9 @@ class DataParallel:
         for ps in session.params:  # every update of this step is in (waited for above)
             total = (total + int(ps.master.view(torch.int32).sum(dtype=torch.int64))) % (1 << 61)
         sums: list[Any] = [None] * self.world
-        dist.all_gather_object(sums, (self.node, total), group=self.group)
+        dist.all_gather_object(sums, (self.node, total), group=self.ctrl)
         by_node = {node: value for node, value in sums}
         if len(set(by_node.values())) > 1:
             raise TsdError(f"the nodes' optimizer states diverged at step {session.steps} (checksums of the masters by "
                            f"node: {by_node}): the nodes no longer train the same model; stop and restart from a "
                            f"checkpoint")
-
-    def _reduce(self, session: Any, buckets: list[int], dtype: torch.dtype, owner: int) -> None:
-        """Sums the buckets' gradients onto the owning rank of each node, averages them over the
-        world, and has the owner deliver each to tsd: in chunks of about `REDUCE_CHUNK_BYTES`
-        (a larger bucket is a chunk of its own), through one host buffer reused for every chunk,
-        so a rank's host memory for the reduction is bounded by a chunk, not its share of the model."""
-        params = session.params
-        limit = max(1, REDUCE_CHUNK_BYTES // dtype.itemsize)
-        chunk: list[int] = []
-        size = 0
-        for b in buckets:
-            n = params[b].param.numel()
-            if chunk and size + n > limit:
-                self._reduce_chunk(session, chunk, dtype, owner, size)
-                chunk, size = [], 0
-            chunk.append(b)
-            size += n
-        if chunk:
-            self._reduce_chunk(session, chunk, dtype, owner, size)
-
-    def _staging(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A host buffer of at least `numel` elements of `dtype`, kept for the next step."""
-        buf = self._buffers.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype)
-            self._buffers[dtype] = buf
-        return buf[:numel]
-
-    def _reduce_chunk(self, session: Any, buckets: list[int], dtype: torch.dtype, owner: int, numel: int) -> None:
-        dist = _dist()
-        params = session.params
-        flat = self._staging(dtype, numel)
-        offset = 0
-        for ps in (params[b] for b in buckets):
-            n = ps.param.numel()
-            if ps.param.grad is not None:
-                flat[offset:offset + n].copy_(ps.param.grad.detach().reshape(-1))
-            else:
-                flat[offset:offset + n].zero_()
-            offset += n
-        if len(self.nodes) == 1:
-            dist.reduce(flat, dst=self.local[owner], group=self.group)
-        else:
-            dist.reduce(flat, dst=self.local[owner], group=self.node_group)  # the node's sum, on its owner
-        if self.local_rank != owner:
-            return
-        if len(self.nodes) > 1:
-            dist.all_reduce(flat, group=self.cross_group)  # the owners of every node: the global sum
-        flat.div_(self.world)
-        h = session.handle
-        offset = 0
-        for b in buckets:
-            ps = params[b]
-            n = ps.param.numel()
-            if b in session.skip:  # resumed: tsd applied this step's update before a rank died
-                offset += n
-                continue
-            h.wait(b)  # the slot is free (its last delivery was taken)
-            ps.grad_slot.copy_(flat[offset:offset + n])
-            h.ready(b, True, True)
-            offset += n

@@ -49,6 +49,17 @@ from .prefetch import ForwardOrder, UpdateWaits, owners_of, wait_modules
 BucketState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
+def hyper_changed(was: list[tuple[float, ...]], now: list[tuple[float, ...]]) -> RuntimeError:
+    """The error for hyperparameters changed between backward and step() without clipping: tsd
+    already applied the step's updates with the values of its first gradient."""
+    g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)
+    return RuntimeError(
+        f"param_groups[{g}] changed between backward and step() (lr, betas, eps, weight_decay were {was[g]}, "
+        f"now {now[g]}): tsd applied this step's update while backward ran, with the values at the step's "
+        f"first gradient. Change hyperparameters before backward (LR schedulers do: call scheduler.step() "
+        f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
+
+
 class ParamSlots:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
 
@@ -180,13 +191,14 @@ class Session:
         grad = p.grad
         if grad is None or not self.offloading:
             return
-        if self.dp is not None:
-            return  # data parallel: reduced and delivered at step() (distributed.py)
         if self.closed:
             if self.failure is not None:
                 raise type(self.failure)(self.failure.message, self.failure.code)
             raise TsdError("this model was unwrapped; wrap it again to train it")
         ps = self.by_param[id(p)]
+        if self.dp is not None:  # data parallel: reduced over the group, then delivered (distributed.py)
+            self.dp.reducer.on_grad(self, optimizer, ps)
+            return
         b = ps.bucket
         if b in self.skip:  # resumed: tsd applied this bucket's update of this step before the crash
             p.grad = None
@@ -387,13 +399,7 @@ class Session:
             self.pager.after_step()
         _report.report_step(self, started)
         if changed is not None:
-            was, now = changed
-            g = next(i for i, (a, c) in enumerate(zip(was, now)) if a != c)
-            raise RuntimeError(
-                f"param_groups[{g}] changed between backward and step() (lr, betas, eps, weight_decay were {was[g]}, "
-                f"now {now[g]}): tsd applied this step's update while backward ran, with the values at the step's "
-                f"first gradient. Change hyperparameters before backward (LR schedulers do: call scheduler.step() "
-                f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
+            raise hyper_changed(*changed)
 
     def idle(self) -> None:
         """Waits until no delivery is in flight (between steps) and every update is in the model."""

@@ -541,9 +541,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                              else "no optimizer in tsd") + took)
     setattr(model, "_trainstream_session", session)
     if dp is not None:
-        dp.finish_wrap()
+        how = dp.finish_wrap(session)
         session.events.append(f"distributed: rank {dp.rank} of {dp.world}, rank {dp.local_rank} of {dp.local_world} "
-                              f"sharing job {dp.job!r} in this node's tsd ({len(dp.nodes)} node(s))")
+                              f"sharing job {dp.job!r} in this node's tsd ({len(dp.nodes)} node(s)); {how}")
     return model, wrapped
 
 

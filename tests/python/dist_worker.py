@@ -128,16 +128,8 @@ def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) ->
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
     victim = rank == world - 1
     if in_tsd and victim:
-        reduce = torch.distributed.reduce
         session = trainstream.unwrap_session(model)
-
-        def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
-            done = reduce(tensor, dst, *args, **kwargs)
-            if session.steps == 3 and dst == rank:  # its own buckets' sums are here, not yet in tsd
-                os.kill(os.getpid(), signal.SIGKILL)
-            return done
-
-        torch.distributed.reduce = reduce_then_die
+        _die_at_first_delivery(session, lambda: session.steps == 3)
     for step, micro in enumerate(_batches(rank, 6)):
         x, y = micro[0]
         _loss(model, x, y).backward()
@@ -153,6 +145,22 @@ def kill(rank: int, world: int, sock: str, out: dict[str, Any], in_tsd: bool) ->
             return
         opt.zero_grad(set_to_none=True)
     out.update(error=None)
+
+
+def _die_at_first_delivery(session: Any, when: Any) -> None:
+    """This rank reduces at step() (not during backward) and kills itself (SIGKILL) at its first
+    delivery to tsd while `when()`: every collective of that step is done (the other ranks wait on
+    tsd, not on a collective), and its own buckets' sums are here, not yet in tsd."""
+    dp = session.dp
+    dp.reducer.streams = False
+    deliver = dp.deliver
+
+    def deliver_then_die(*args: Any, **kwargs: Any) -> Any:
+        if when():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return deliver(*args, **kwargs)
+
+    dp.deliver = deliver_then_die
 
 
 KEPT_JOB = "dp-kept"
@@ -204,16 +212,8 @@ def kept_kill(rank: int, world: int, sock: str, out: dict[str, Any], where: str,
     session = trainstream.unwrap_session(model)
     if where == "after-commit":  # every rank
         session.handle = _DieAfterCommit(session.handle)
-    elif victim:
-        reduce = torch.distributed.reduce
-
-        def reduce_then_die(tensor: torch.Tensor, dst: int, *args: Any, **kwargs: Any) -> Any:
-            done = reduce(tensor, dst, *args, **kwargs)
-            if dst == rank:  # its own buckets' sums are here, not yet in tsd, and it has not committed
-                os.kill(os.getpid(), signal.SIGKILL)
-            return done
-
-        torch.distributed.reduce = reduce_then_die
+    elif victim:  # it dies before it delivers its buckets or commits
+        _die_at_first_delivery(session, lambda: True)
     x, y = _batches(rank, RESUME_STEPS)[KILL_AT][0]
     _loss(model, x, y).backward()
     t0 = time.monotonic()
@@ -254,6 +254,99 @@ def kept_resume(rank: int, world: int, sock: str, out: dict[str, Any], clip: boo
                moved=max(float((a - b).abs().max()) for a, b in zip(resumed, [p.detach() for p in _model().parameters()])))
 
 
+class _Branchy(torch.nn.Module):
+    """The MLP's shape plus `extra`, used only by rank 0's forwards (the other ranks add zeros to
+    its sum), and `never`, used by no rank (no update at all, as torch.optim.AdamW skips it)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        self.extra = torch.nn.Linear(8, 4)
+        self.never = torch.nn.Linear(4, 4)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.trunk(x)
+        return y + self.extra(x) if self.rank == 0 else y
+
+
+def _branchy_steps(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """ACCUM micro-batches a step, but the last step has one (a partial accumulation)."""
+    batches = _batches(rank, steps)
+    return batches[:-1] + [batches[-1][:1]]
+
+
+def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
+    """Parameters that get gradients on some ranks only or on none, a partial last accumulation,
+    clipping: tsd streaming the reductions during backward, tsd reducing at step() (the same
+    collectives, launched later) and DDP (find_unused_parameters) + AdamW."""
+    import trainstream
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _Branchy(rank)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _branchy_steps(rank, STEPS):
+        for i, (x, y) in enumerate(micro):
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    _loss(ddp, x, y).backward()
+            else:
+                _loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = [p.detach().clone() for p in model.parameters()]
+
+    def run(streams: bool, job: str) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        model = _Branchy(rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, job=job,
+                                      max_grad_norm=MAX_NORM, accumulation_steps=ACCUM)
+        session = trainstream.unwrap_session(model)
+        session.dp.reducer.streams = streams
+        launched = []  # buckets whose reductions started before step(), per step
+        for micro in _branchy_steps(rank, STEPS):
+            for x, y in micro:
+                _loss(model, x, y).backward()
+            launched.append(len(session.dp.reducer.taken))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        order = list(session.dp.reducer.order)
+        out.setdefault("events", []).append(session.events[-1])
+        torch.distributed.barrier()
+        params = [p.detach().clone() for p in model.parameters()]
+        trainstream.unwrap(model)
+        return params, launched, order
+
+    streamed, launched, order = run(True, "dp-streamed")
+    later, launched_later, _ = run(False, "dp-at-step")
+    orders: list[Any] = [None] * world
+    torch.distributed.all_gather_object(orders, order)
+    untouched = [p.detach() for p in _Branchy(rank).parameters()]
+    out.update(launched=launched, launched_later=launched_later, orders=orders,
+               bit_equal=all(torch.equal(a, b) for a, b in zip(streamed, later)),
+               max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, streamed)),
+               moved=max(float((a - b).abs().max()) for a, b in zip(ref, untouched)),
+               never_moved=all(torch.equal(a, b) for a, b in zip(streamed[-2:], untouched[-2:])))
+
+
+def misaccumulate(rank: int, sock: str, out: dict[str, Any]) -> None:
+    """Two backward passes before step() without accumulation_steps=2: the second raises."""
+    import trainstream
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True)
+    x, y = _batches(rank, 1)[0][0]
+    _loss(model, x, y).backward()
+    try:
+        _loss(model, x, y).backward()
+    except RuntimeError as e:
+        out.update(error=str(e))
+        return
+    out.update(error=None)
+
+
 def diverge(rank: int, sock: str, out: dict[str, Any]) -> None:
     import trainstream
     model = _model()
@@ -288,13 +381,19 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             out["cuda_device"] = torch.cuda.current_device()
         torch.distributed.init_process_group(backend, rank=rank, world_size=world)
         if mode in ("parity", "parity-chunked"):
-            if mode == "parity-chunked":  # many reduction chunks: biases share one, a weight is one alone
-                import trainstream.distributed
-                trainstream.distributed.REDUCE_CHUNK_BYTES = 512
+            if mode == "parity-chunked":  # at step() through a host buffer, in many chunks: biases share one,
+                import trainstream.distributed  # a weight is one alone
+                import trainstream.reduction
+                trainstream.distributed.REDUCTION = "host"
+                trainstream.reduction.REDUCE_CHUNK_BYTES = 512
             ref = reference(rank, device)
             got = trained(rank, sockets[rank], device, out, out_dir)
             out["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ref, got))
             out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
+        elif mode == "stream":
+            stream_parity(rank, world, sockets[rank], out)
+        elif mode == "misaccumulate":
+            misaccumulate(rank, sockets[rank], out)
         elif mode == "diverge":
             diverge(rank, sockets[rank], out)
         elif mode in ("kill", "kill-in-tsd"):
@@ -308,6 +407,6 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode not in ("parity", "parity-chunked", "kept-resume", "kept-resume-noclip"):
+    if mode not in ("parity", "parity-chunked", "stream", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

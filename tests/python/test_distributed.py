@@ -15,6 +15,7 @@ import trainstream
 from conftest import Daemon
 
 import dist_worker
+from dist_worker import STEPS
 from ranks import free_port, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -73,19 +74,63 @@ def test_matches_ddp_adamw_one_tsd(tmp_path, world):
         d.stop()
 
 
-def test_two_nodes_two_tsd_match_ddp(tmp_path):
+@pytest.mark.parametrize("mode", ["parity", "parity-chunked"])  # streamed on the CPU; at step() in host chunks
+def test_two_nodes_two_tsd_match_ddp(tmp_path, mode):
     a, b = _daemon(tmp_path / "a"), _daemon(tmp_path / "b")
     try:
         out = tmp_path / "out"
         out.mkdir()
         # Reduced in many small chunks (each a reduce in the node and an all-reduce between the nodes).
-        results = _run(4, [a.socket, a.socket, b.socket, b.socket], "parity-chunked", str(out))
+        results = _run(4, [a.socket, a.socket, b.socket, b.socket], mode, str(out))
         _check_parity(results, 4, nodes=2, out_dir=str(out))
         for d in (a, b):
             assert d.log().count("event=optimizer_registered") == 1
     finally:
         a.stop()
         b.stop()
+
+
+def test_streamed_reductions_match_reducing_at_step_and_ddp(tmp_path):
+    """On the CPU the reductions run over gloo during backward, as each bucket's last gradient
+    of the step comes. With parameters that get gradients on one rank only or on none, a partial
+    last accumulation and clipping, the result equals reducing everything at step() bit for bit
+    and DDP (find_unused_parameters) + AdamW within 1e-6."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(3, [d.socket] * 3, "stream", str(out))
+        for r, res in enumerate(results):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["moved"] > 1e-3
+            assert res["max_diff"] <= 1e-6, f"rank {r}: parameters differ from DDP + AdamW by {res['max_diff']}"
+            assert res["bit_equal"], f"rank {r}: streaming the reductions changed the result"
+            assert res["never_moved"], "a parameter no rank used was updated"
+            # Reductions started during backward from the second step on (the first follows the bucket
+            # order, which starts with `never`'s buckets): every bucket this rank finished (rank 0 uses
+            # `extra` too; the others' chains stop at its buckets, put last).
+            assert res["launched"][0] == 0 and res["launched"][1:-1] == [6 if r == 0 else 4] * (STEPS - 2), res["launched"]
+            assert res["launched"][-1] == 0  # the partial last step: nothing is final before step()
+            assert res["launched_later"] == [0] * len(res["launched_later"])
+            assert "bucket by bucket as backward finishes them" in res["events"][0], res["events"]
+        # Every rank follows the same order, learned from the first backward: the trunk's buckets
+        # first, then extra's (finished by rank 0 only), then never's.
+        assert all(o == results[0]["orders"][0] for res in results for o in res["orders"])
+        assert sorted(results[0]["orders"][0][-4:-2]) == [2, 3] and sorted(results[0]["orders"][0][-2:]) == [0, 1]
+    finally:
+        d.stop()
+
+
+def test_a_gradient_past_accumulation_steps_is_refused(tmp_path):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        for res in _run(2, [d.socket] * 2, "misaccumulate", str(out), timeout=120):
+            assert res is not None and "exception" not in res, res
+            assert res["error"] is not None and "accumulation_steps=N" in res["error"], res
+    finally:
+        d.stop()
 
 
 def test_nodes_whose_states_diverge_stop_with_a_clear_error(tmp_path):
