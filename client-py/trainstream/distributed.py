@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 REDUCTION = "auto"
 
 # wrap() options that do not work with distributed= yet, and the values they must keep.
-_UNSUPPORTED = {"overlap_forward": False, "param_offload": False, "optimizer_gpu_fraction": 0.0}
+_UNSUPPORTED = {"param_offload": False, "optimizer_gpu_fraction": 0.0}
 
 
 def check_option(value: Any) -> None:
@@ -334,9 +334,11 @@ class DataParallel:
         return f"gradients reduced at step() through a host buffer over gloo{why}"
 
     def write_hyper(self, session: Any, hyper: list[tuple[float, ...]]) -> None:
-        """The node's first rank writes the step's hyperparameters into tsd (checked first)."""
+        """The node's first rank writes the step's hyperparameters into tsd (checked first), once
+        the updates it still owes the model (overlap_forward) are done: tsd read the page for them."""
         session.check_hyper(hyper)
         if self.local_rank == 0:
+            session.wait_updates()
             for gi, values in enumerate(hyper):
                 session.handle.set_group(gi, *values)
 
@@ -375,6 +377,12 @@ class DataParallel:
         h = session.handle
         params = session.params
         red = self.reducer
+        if session.recorder is not None:  # overlap_forward: the first step ends the recording
+            session.finish_recording(set_order=self.local_rank == 0)
+        # Updates of the last step that this step's forward did not take (their modules did not
+        # run) are completed now: nothing is owed for longer than one step.
+        session.wait_updates()
+        deferrable = session.waits.deferrable
         has = torch.tensor([ps.param.grad is not None or b in red.taken for b, ps in enumerate(params)],
                            dtype=torch.int32)
         dist.all_reduce(has, group=self.ctrl)
@@ -398,8 +406,12 @@ class DataParallel:
         for b in stepped:
             if b not in skip:
                 self.expected[b] += 1
-            h.wait_steps(b, self.expected[b])
             ps = params[b]
+            if b in deferrable:  # overlap_forward: its module's next forward waits for it and copies it
+                session.deferred_versions[b] = ps.param._version
+                session.waits.defer(b)
+                continue
+            h.wait_steps(b, self.expected[b])
             p = ps.param
             with torch.no_grad():
                 p.view(p.shape).copy_(ps.param_slot.view(p.shape))
@@ -420,8 +432,9 @@ class DataParallel:
         compares an exact checksum of their bits between the nodes; raises on every rank if one
         differs."""
         dist = _dist()
+        session.wait_updates()  # overlap_forward: every update of this step is in
         total = 0
-        for ps in session.params:  # every update of this step is in (waited for above)
+        for ps in session.params:
             total = (total + int(ps.master.view(torch.int32).sum(dtype=torch.int64))) % (1 << 61)
         sums: list[Any] = [None] * self.world
         dist.all_gather_object(sums, (self.node, total), group=self.ctrl)

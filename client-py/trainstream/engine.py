@@ -287,7 +287,7 @@ class Session:
         if was is not None and p._version != was:
             # Changed in place by the trainer after step(): the change was made to the weight before the
             # update. The change is kept (its master follows it at its next gradient), the update dropped.
-            self.handle.wait(b)
+            self.wait_bucket(b)
             self.deferred_versions.pop(b, None)
             self.waits.pending.pop(b, None)
             raise RuntimeError(
@@ -303,13 +303,21 @@ class Session:
         """Waits for bucket b's update and copies its parameter slot into the parameter (H2D on the
         current stream on CUDA). A paged bucket's slot is its paged copy: its next use copies it."""
         ps = self.params[b]
-        self.handle.wait(b)
+        self.wait_bucket(b)
         if ps.paged:
             return
         p = ps.param
         with torch.no_grad():
             p.view(p.shape).copy_(ps.param_slot.view(p.shape), non_blocking=self.cuda)
         ps.version = p._version
+
+    def wait_bucket(self, b: int) -> None:
+        """Waits until tsd's update of bucket b for this step is done. Data parallel: until tsd's
+        step count of the bucket reaches this rank's last step (its owner may be another rank)."""
+        if self.dp is not None:
+            self.handle.wait_steps(b, self.dp.expected[b])
+        else:
+            self.handle.wait(b)
 
     def wait_updates(self, buckets: Optional[list[int]] = None) -> None:
         """Completes the updates still owed to the model: of `buckets`, or all (None). Everything that
@@ -323,8 +331,9 @@ class Session:
         self.model = model
         self.recorder = ForwardOrder(model, {id(ps.param): ps.bucket for ps in self.params})
 
-    def _finish_recording(self) -> None:
-        """At the first step: the recorded order goes to tsd and the pre-forward waits are installed.
+    def finish_recording(self, set_order: bool = True) -> None:
+        """At the first step: the recorded order goes to tsd (`set_order`: data parallel, the node's
+        first rank only, for the node's one optimizer) and the pre-forward waits are installed.
         Nothing recorded (no forward since wrap()): keeps recording."""
         rec = self.recorder
         if rec is None or self.model is None or not rec.first:
@@ -333,7 +342,8 @@ class Session:
         order = rec.finish()
         bucket_of = {id(ps.param): ps.bucket for ps in self.params}
         modules = wait_modules(self.model, rec.first, owners_of(self.model, bucket_of), order)
-        self.handle.set_order(([self.norm_bucket] if self.norm_bucket is not None else []) + order)
+        if set_order:
+            self.handle.set_order(([self.norm_bucket] if self.norm_bucket is not None else []) + order)
         self.forward_order = order
         self.waits.install(self.model, modules)
         self.events.append(f"overlap_forward: {len(order)} of {len(self.params)} buckets finish during the next "
@@ -351,7 +361,7 @@ class Session:
         self.raise_async()
         h = self.handle
         if self.recorder is not None:
-            self._finish_recording()
+            self.finish_recording()
         # Updates of the last step that this step's forward did not take (their modules did not run)
         # are completed now: nothing is owed for longer than one step.
         self.wait_updates()

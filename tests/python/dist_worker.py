@@ -280,7 +280,8 @@ def _branchy_steps(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch
 def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
     """Parameters that get gradients on some ranks only or on none, a partial last accumulation,
     clipping: tsd streaming the reductions during backward, tsd reducing at step() (the same
-    collectives, launched later) and DDP (find_unused_parameters) + AdamW."""
+    collectives, launched later), tsd streaming with overlap_forward (updates completed by the
+    next forward) and DDP (find_unused_parameters) + AdamW."""
     import trainstream
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _Branchy(rank)
@@ -298,22 +299,30 @@ def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None
         opt.zero_grad(set_to_none=True)
     ref = [p.detach().clone() for p in model.parameters()]
 
-    def run(streams: bool, job: str) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    def run(streams: bool, job: str, overlap: bool = False) -> tuple[list[torch.Tensor], list[int], list[int]]:
         model = _Branchy(rank)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, job=job,
-                                      max_grad_norm=MAX_NORM, accumulation_steps=ACCUM)
+                                      max_grad_norm=MAX_NORM, accumulation_steps=ACCUM, overlap_forward=overlap)
         session = trainstream.unwrap_session(model)
         session.dp.reducer.streams = streams
         launched = []  # buckets whose reductions started before step(), per step
-        for micro in _branchy_steps(rank, STEPS):
+        for step, micro in enumerate(_branchy_steps(rank, STEPS)):
             for x, y in micro:
                 _loss(model, x, y).backward()
             launched.append(len(session.dp.reducer.taken))
             opt.step()
+            if overlap:
+                out.setdefault("owed", []).append(len(session.waits.pending))
+                if step == 5:  # a state dict mid-run waits for the updates it reads
+                    sd = model.state_dict()
+                    out["state_dict_current"] = all(
+                        torch.equal(sd[name], ps.master.view(ps.shape)) for name, ps in
+                        ((n, session.by_param[id(p)]) for n, p in model.named_parameters()))
             opt.zero_grad(set_to_none=True)
         order = list(session.dp.reducer.order)
         out.setdefault("events", []).append(session.events[-1])
+        opt.synchronize()  # overlap_forward: the last step's updates are still owed to the model
         torch.distributed.barrier()
         params = [p.detach().clone() for p in model.parameters()]
         trainstream.unwrap(model)
@@ -321,11 +330,13 @@ def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None
 
     streamed, launched, order = run(True, "dp-streamed")
     later, launched_later, _ = run(False, "dp-at-step")
+    overlapped, _, _ = run(True, "dp-overlap", overlap=True)
     orders: list[Any] = [None] * world
     torch.distributed.all_gather_object(orders, order)
     untouched = [p.detach() for p in _Branchy(rank).parameters()]
     out.update(launched=launched, launched_later=launched_later, orders=orders,
                bit_equal=all(torch.equal(a, b) for a, b in zip(streamed, later)),
+               overlap_bit_equal=all(torch.equal(a, b) for a, b in zip(streamed, overlapped)),
                max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, streamed)),
                moved=max(float((a - b).abs().max()) for a, b in zip(ref, untouched)),
                never_moved=all(torch.equal(a, b) for a, b in zip(streamed[-2:], untouched[-2:])))

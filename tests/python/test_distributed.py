@@ -93,8 +93,9 @@ def test_two_nodes_two_tsd_match_ddp(tmp_path, mode):
 def test_streamed_reductions_match_reducing_at_step_and_ddp(tmp_path):
     """On the CPU the reductions run over gloo during backward, as each bucket's last gradient
     of the step comes. With parameters that get gradients on one rank only or on none, a partial
-    last accumulation and clipping, the result equals reducing everything at step() bit for bit
-    and DDP (find_unused_parameters) + AdamW within 1e-6."""
+    last accumulation and clipping, the result equals reducing everything at step() and
+    overlapping the updates with the next forward (overlap_forward) bit for bit, and DDP
+    (find_unused_parameters) + AdamW within 1e-6."""
     d = _daemon(tmp_path / "tsd")
     try:
         out = tmp_path / "out"
@@ -105,6 +106,11 @@ def test_streamed_reductions_match_reducing_at_step_and_ddp(tmp_path):
             assert res["moved"] > 1e-3
             assert res["max_diff"] <= 1e-6, f"rank {r}: parameters differ from DDP + AdamW by {res['max_diff']}"
             assert res["bit_equal"], f"rank {r}: streaming the reductions changed the result"
+            assert res["overlap_bit_equal"], f"rank {r}: overlap_forward changed the result"
+            # overlap_forward: step() left the used buckets' updates to the next forward (the 6 of
+            # trunk and extra on rank 0; the trunk's 4 elsewhere), and a state dict read current values.
+            assert res["owed"] == [6 if r == 0 else 4] * STEPS, res["owed"]
+            assert res["state_dict_current"]
             assert res["never_moved"], "a parameter no rank used was updated"
             # Reductions started during backward from the second step on (the first follows the bucket
             # order, which starts with `never`'s buckets): every bucket this rank finished (rank 0 uses
