@@ -50,7 +50,7 @@ _T = TypeVar("_T")
 REDUCTION = "auto"
 
 # wrap() options that do not work with distributed= yet, and the values they must keep.
-_UNSUPPORTED = {"param_offload": False, "optimizer_gpu_fraction": 0.0}
+_UNSUPPORTED = {"param_offload": False}
 
 
 def check_option(value: Any) -> None:
@@ -139,6 +139,10 @@ class DataParallel:
             if opts[name] != value:
                 raise ValueError(f"{name}={opts[name]!r} is not supported with distributed data parallel yet; "
                                  f"pass {name}={value!r} (or distributed=False)")
+        fraction = opts["optimizer_gpu_fraction"]
+        if fraction == "auto" or fraction == 1.0:
+            raise ValueError(f"optimizer_gpu_fraction={fraction!r} is not supported with distributed data parallel "
+                             f"yet: pass a number below 1 (the same on every rank), or 0 to keep every update in tsd")
         if opts["activation_offload"] not in (False, None, "auto"):
             raise ValueError("activation_offload is not supported with distributed data parallel yet; pass "
                              "activation_offload=False (or distributed=False)")
@@ -383,10 +387,13 @@ class DataParallel:
         # run) are completed now: nothing is owed for longer than one step.
         session.wait_updates()
         deferrable = session.waits.deferrable
-        has = torch.tensor([ps.param.grad is not None or b in red.taken for b, ps in enumerate(params)],
-                           dtype=torch.int32)
+        share = session.share  # optimizer_gpu_fraction: every rank updates the same share on its device
+        entries = share.entries if share is not None else []
+        has = torch.tensor([ps.param.grad is not None or b in red.taken for b, ps in enumerate(params)] +
+                           [e.master.grad is not None for e in entries], dtype=torch.int32)
         dist.all_reduce(has, group=self.ctrl)
         stepped = [b for b in range(len(params)) if int(has[b]) > 0]
+        share_stepped = [i for i in range(len(entries)) if int(has[len(params) + i]) > 0]
         hyper = session.group_hyper(optimizer)
         changed = None
         if red.hyper is None or (session.max_grad_norm > 0 and hyper != red.hyper):
@@ -398,8 +405,19 @@ class DataParallel:
         red.finish(session, stepped)
         if session.cuda:
             session.side_stream.synchronize()  # every doorbell of this step has been rung
+        carried = False
+        if share is not None:
+            self._average_share(share, share_stepped)
+            nb = session.norm_bucket
+            if session.max_grad_norm > 0 and nb is not None:
+                # The share's part of the global norm (the same on every rank) joins tsd's through
+                # the norm bucket, which its owner delivers.
+                self.expected[nb] += 1
+                if self.local_rank == self.owner[nb]:
+                    share.deliver_norm(session)
+                carried = True
         skip = session.skip  # resumed: buckets tsd updated in this step before a rank died
-        if session.max_grad_norm > 0 and any(b not in skip for b in stepped):
+        if session.max_grad_norm > 0 and (carried or any(b not in skip for b in stepped)):
             # tsd clips by the global norm once every rank of the node committed (a resumed step
             # whose commit tsd finished after a rank died delivers nothing, and commits nothing)
             h.commit(wait=False)
@@ -418,6 +436,8 @@ class DataParallel:
             ps.version = p._version
         for ps in params:
             ps.param.grad = None
+        if share is not None:
+            share.step(optimizer, session)  # on the device, clipped by the global norm tsd computed
         if session.marks is not None:  # the node's first rank, for a kept job (resume.py)
             session.marks.record(session.steps + 1, set(stepped) | skip)
         skip.clear()
@@ -426,6 +446,26 @@ class DataParallel:
         if len(self.nodes) > 1 and session.steps % self.check_every == 0:
             self._check_nodes_agree(session)
         return changed
+
+    def _average_share(self, share: Any, stepped: list[int]) -> None:
+        """Averages the GPU share's gradients over the world, as DDP does, so that every rank
+        updates the same share the same way: on the device where the group's backend reduces
+        there, else through the host over gloo. A parameter that got a gradient on some ranks
+        only adds the others' zeros; one that got none anywhere keeps none (AdamW skips it)."""
+        dist = _dist()
+        on_device = isinstance(self.reducer, StreamedReduction)
+        for i in stepped:
+            e = share.entries[i]
+            if e.master.grad is None:
+                e.master.grad = torch.zeros_like(e.master)
+            g = e.master.grad
+            if on_device:
+                dist.all_reduce(g, group=self.group)
+            else:
+                host = g.detach().cpu()
+                dist.all_reduce(host, group=self.ctrl)
+                g.copy_(host)
+            g.div_(self.world)
 
     def _check_nodes_agree(self, session: Any) -> None:
         """Every node's tsd must hold the same masters (each stepped the same reduced gradients):

@@ -350,8 +350,9 @@ class GpuShare:
         session.check_hyper(session.group_hyper(optimizer))  # as tsd's share is checked: a clear error
         max_norm = session.max_grad_norm
         if max_norm > 0:
-            if session.offloading and getattr(session, "norm_bucket", None) is not None:
-                session.handle.wait(session.norm_bucket)  # the commit's norm is on the page
+            nb = getattr(session, "norm_bucket", None)
+            if session.offloading and nb is not None:
+                session.wait_bucket(nb)  # the commit's norm is on the page
                 norm = float(session.handle.last_grad_norm)
                 coef = torch.clamp(torch.tensor(max_norm, dtype=torch.float32) /
                                    (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)

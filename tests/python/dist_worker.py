@@ -342,6 +342,48 @@ def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None
                never_moved=all(torch.equal(a, b) for a, b in zip(streamed[-2:], untouched[-2:])))
 
 
+def share_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
+    """optimizer_gpu_fraction under data parallel: part of the parameters updated by torch's AdamW
+    in every rank (their gradients averaged over the group), the rest in tsd, clipped by the global
+    norm; against DDP (find_unused_parameters) + AdamW, with the branchy model and a partial last
+    accumulation."""
+    import trainstream
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _Branchy(rank)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _branchy_steps(rank, STEPS):
+        for i, (x, y) in enumerate(micro):
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    _loss(ddp, x, y).backward()
+            else:
+                _loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = [p.detach().clone() for p in model.parameters()]
+    for fraction in (0.5, 0.9):
+        model = _Branchy(rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True,
+                                      job=f"dp-share-{fraction}", max_grad_norm=MAX_NORM, accumulation_steps=ACCUM,
+                                      optimizer_gpu_fraction=fraction)
+        session = trainstream.unwrap_session(model)
+        for micro in _branchy_steps(rank, STEPS):
+            for x, y in micro:
+                _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.distributed.barrier()
+        got = [p.detach().clone() for p in model.parameters()]
+        out[f"share_{fraction}"] = dict(
+            share=len(session.share.entries), tsd=len(session.params),
+            max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, got)),
+            never_moved=all(torch.equal(a, b) for a, b in zip(got[-2:], list(_Branchy(rank).parameters())[-2:])))
+        trainstream.unwrap(model)
+
+
 def misaccumulate(rank: int, sock: str, out: dict[str, Any]) -> None:
     """Two backward passes before step() without accumulation_steps=2: the second raises."""
     import trainstream
@@ -403,6 +445,8 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             out["moved"] = max(float((a - b).abs().max()) for a, b in zip(ref, [p.detach() for p in _model().parameters()]))
         elif mode == "stream":
             stream_parity(rank, world, sockets[rank], out)
+        elif mode == "share":
+            share_parity(rank, sockets[rank], out)
         elif mode == "misaccumulate":
             misaccumulate(rank, sockets[rank], out)
         elif mode == "diverge":
@@ -418,6 +462,6 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode not in ("parity", "parity-chunked", "stream", "kept-resume", "kept-resume-noclip"):
+    if mode not in ("parity", "parity-chunked", "stream", "share", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

@@ -127,6 +127,26 @@ def test_streamed_reductions_match_reducing_at_step_and_ddp(tmp_path):
         d.stop()
 
 
+def test_gpu_share_under_data_parallel_matches_ddp(tmp_path):
+    """optimizer_gpu_fraction with data parallel: every rank updates the share (torch's AdamW, its
+    gradients averaged over the group) and tsd the rest, clipped by the global norm; equal to DDP
+    + AdamW within 1e-6 with a branch one rank uses, a module none uses and a partial accumulation."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(3, [d.socket] * 3, "share", str(out))
+        for r, res in enumerate(results):
+            assert res is not None and "exception" not in res, (r, res)
+            for fraction in ("0.5", "0.9"):
+                got = res[f"share_{fraction}"]
+                assert got["share"] > 0 and got["tsd"] > 0, got
+                assert got["max_diff"] <= 1e-6, f"rank {r}, fraction {fraction}: {got['max_diff']} from DDP + AdamW"
+                assert got["never_moved"]
+    finally:
+        d.stop()
+
+
 def test_a_gradient_past_accumulation_steps_is_refused(tmp_path):
     d = _daemon(tmp_path / "tsd")
     try:
