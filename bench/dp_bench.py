@@ -145,7 +145,8 @@ def rank_main(rank: int, a: argparse.Namespace, port: int, socket: Optional[str]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(rank=rank, params=nparams, step_s_median=settled[len(settled) // 2], steps=times,
                        losses=losses, setup_s=setup_s,
-                       torch_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None), f)
+                       torch_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                       events=dp_modes.events(a.mode, handle)), f)
     dp_modes.teardown(a.mode, handle)
     dist.barrier()
     dist.destroy_process_group()
@@ -193,7 +194,8 @@ def launch(a: argparse.Namespace) -> None:
                                  peak_vram_gib=first["torch_peak_gib"] or 0.0,
                                  torch_peak_gib_per_rank=[r["torch_peak_gib"] for r in ranks],
                                  step_s_median_per_rank=[r["step_s_median"] for r in ranks],
-                                 last_loss_per_rank=[r["losses"][-1] for r in ranks])), flush=True)
+                                 last_loss_per_rank=[r["losses"][-1] for r in ranks],
+                                 events=first.get("events", []))), flush=True)
 
 
 def parse_counts(text: str) -> list[int]:
@@ -225,6 +227,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16"],
                     help="tsd_dp's weights on the GPU (bf16: working copies, fp32 masters in tsd)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in every mode")
+    ap.add_argument("--overlap", action="store_true",
+                    help="tsd_dp: overlap_forward=True (tsd's updates finish during the next forward)")
+    ap.add_argument("--gpu-fraction", type=float, default=0.0, metavar="F",
+                    help="tsd_dp: optimizer_gpu_fraction=F (every rank updates that share of the parameters on its "
+                         "GPU; 0 keeps every update in tsd)")
     ap.add_argument("--modes", default="tsd_dp,torchao_dp")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of all modes, interleaved")
     ap.add_argument("--peers", default=".devdeps", help="the folder of peers.py (or peers.py itself)")
@@ -300,6 +307,10 @@ def child_argv(a: argparse.Namespace, mode: str, gpus: Optional[int], socket: Op
     argv += ["--gpus", str(gpus)] if gpus else ["--ranks", str(a.ranks)]
     if a.grad_ckpt:
         argv.append("--grad-ckpt")
+    if a.overlap:
+        argv.append("--overlap")
+    if a.gpu_fraction:
+        argv += ["--gpu-fraction", str(a.gpu_fraction)]
     if socket:
         argv += ["--socket", socket]
     if phase_file:
@@ -311,11 +322,17 @@ def workload(a: argparse.Namespace, mode: str, gpus: Optional[int]) -> dict[str,
     """What a record of `mode` at `gpus` GPUs ran (None: --ranks on one GPU or the CPU)."""
     where = "cpu" if a.device == "cpu" else ("per_gpu" if gpus else "one_gpu")
     ranks = gpus or a.ranks
-    return dict(device=a.device, arch=a.arch, batch=a.batch, seq=a.seq, ranks=ranks,
-                gpus=0 if where == "cpu" else (gpus or 1), placement=where,
-                backend=NCCL_BACKEND if where == "per_gpu" else "gloo", clip=a.clip, steps=a.steps,
-                weights=a.weights if mode == "tsd_dp" else None, autocast="bf16", moments="fp32",
-                grad_ckpt=a.grad_ckpt, precision=dp_modes.precision(mode, a.weights))
+    out = dict(device=a.device, arch=a.arch, batch=a.batch, seq=a.seq, ranks=ranks,
+               gpus=0 if where == "cpu" else (gpus or 1), placement=where,
+               backend=NCCL_BACKEND if where == "per_gpu" else "gloo", clip=a.clip, steps=a.steps,
+               weights=a.weights if mode == "tsd_dp" else None, autocast="bf16", moments="fp32",
+               grad_ckpt=a.grad_ckpt, precision=dp_modes.precision(mode, a.weights))
+    if mode == "tsd_dp":  # tsd's own options, named only where set (older records lack them)
+        if a.overlap:
+            out["overlap"] = True
+        if a.gpu_fraction:
+            out["gpu_fraction"] = a.gpu_fraction
+    return out
 
 
 def values_of(run: benchlib.ChildRun, raw: dict[str, Any], a: argparse.Namespace, ranks: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ step on the model `dp_bench.py` built (the same weights, seed 0, on the CPU) and
   tsd_dp            `trainstream.wrap(..., distributed=True, offload=True)`: the node's ranks are
                     sessions of one tsd job with one optimizer (one master and one pair of moments
                     per parameter for the node); one rank alone is an ordinary single trainer.
+                    `--overlap` adds overlap_forward=True, `--gpu-fraction F` a GPU share of F.
   torchao_dp        torchao's `CPUOffloadOptimizer(AdamW, fused=True)` in every rank, the ranks
                     averaging its host gradients over gloo before `step()`, then clipping them.
   ds_offload_dp     DeepSpeed ZeRO-2 with `offload_optimizer` on the CPU (pinned), bf16, the
@@ -139,6 +140,16 @@ def setup(mode: str, model: Any, a: argparse.Namespace, rank: int, world: int, d
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
+def events(mode: str, model: Any) -> list[str]:
+    """tsd_dp: the session's event lines (wrap()'s plan, how the gradients cross the group,
+    overlap_forward's order); [] for the peers."""
+    if mode != "tsd_dp":
+        return []
+    import trainstream
+    session = trainstream.unwrap_session(model)
+    return list(session.events) if session is not None else []
+
+
 def teardown(mode: str, model: Any) -> None:
     """What a mode leaves to undo before the process group goes: tsd's session."""
     if mode == "tsd_dp":
@@ -154,6 +165,10 @@ def _tsd(model: Any, a: argparse.Namespace, world: int, device: str, socket: Opt
     # the fp32 masters from it and leaves bf16 working copies (the fp32 copy is gone before the steps).
     model = model.to(device)
     options: dict[str, Any] = {"param_dtype": torch.bfloat16} if a.weights == "bf16" else {}
+    if getattr(a, "overlap", False):
+        options["overlap_forward"] = True
+    if getattr(a, "gpu_fraction", 0.0):
+        options["optimizer_gpu_fraction"] = a.gpu_fraction
     opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     # One rank alone is a single trainer (distributed=True needs a group of more than one).
     model, opt = trainstream.wrap(model, opt, device=device, socket=socket, distributed=world > 1, offload=True,

@@ -34,7 +34,7 @@ def test_cpu_run_of_tsd_dp_and_fsdp2_dp_records_both_and_skips_deepspeed(tmp_pat
     cmd = [sys.executable, os.path.join(ROOT, "bench", "dp_bench.py"), "--device", "cpu", "--arch", "tiny",
            "--peers", str(peers), "--tsd-bin", tsd_binary(), "--pool-size", "1GiB", "--batch", "2", "--seq", "16",
            "--steps", "3", "--modes", "tsd_dp,fsdp2_dp,ds_offload_dp", "--results", str(results),
-           "--sample-interval", "0.05"]
+           "--sample-interval", "0.05", "--overlap", "--gpu-fraction", "0.3"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # the model comes from the config alone
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
@@ -54,6 +54,12 @@ def test_cpu_run_of_tsd_dp_and_fsdp2_dp_records_both_and_skips_deepspeed(tmp_pat
         assert rec["raw"]["world"] == 2 and len(rec["raw"]["losses"]) == 3
     assert tsd["values"]["tsd_pss_peak_gib"] > 0 and "tsd_pss_peak_gib" not in fsdp2["values"]
     assert tsd["workload"]["weights"] == "fp32" and "in tsd" in tsd["workload"]["precision"]
+    # tsd_dp's own options reach wrap(): the GPU share, the overlap, the reduction over gloo in backward.
+    assert tsd["workload"]["overlap"] is True and tsd["workload"]["gpu_fraction"] == 0.3
+    assert "overlap" not in fsdp2["workload"] and "gpu_fraction" not in fsdp2["workload"]
+    events = "\n".join(tsd["raw"]["events"])
+    assert "tensors of them in the GPU share" in events and "overlap_forward:" in events, events
+    assert "gradients reduced on cpu through gloo, bucket by bucket" in events, events
     # The same model (seed 0) and data: the first losses agree to bf16 rounding.
     assert abs(tsd["values"]["first_loss"] - fsdp2["values"]["first_loss"]) < 1e-2
     assert ds["status"] == "skipped" and "needs CUDA" in ds["reason"]
