@@ -649,16 +649,27 @@ def write_plot(plot: Plot) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for mode, pts in plot.series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-    ax.set_xlabel("VRAM budget GiB (the cap, or the measured peak where uncapped)")
-    ax.set_ylabel("s/step (median)")
+    finish_lines(fig, ax, plot, plt, "VRAM budget GiB (the cap, or the measured peak where uncapped)", "s/step (median)")
+
+
+def finish_lines(fig: Any, ax: Any, plot: Plot, plt: Any, xlabel: str, ylabel: str) -> None:
+    """A line plot's labels, title, axes from 0, grid and legend; then writes it (save_figure)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(plot.title, fontsize=10)
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    save_figure(fig, plot.path, plt)
+
+
+def save_figure(fig: Any, path: str, plt: Any) -> None:
+    """Lays `fig` out and writes it to `path` as a PNG without a software tag (the same bytes
+    every time), then closes it."""
     fig.tight_layout()
-    os.makedirs(os.path.dirname(plot.path), exist_ok=True)
-    fig.savefig(plot.path, format="png", metadata={"Software": None})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, format="png", metadata={"Software": None})
     plt.close(fig)
 
 
@@ -678,10 +689,7 @@ def write_bars(plot: Plot, plt: Any) -> None:
             ax.annotate(f"{v:.2f}" if k == 0 else f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), ha="center",
                         va="bottom", fontsize=7)
     fig.suptitle(plot.title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(plot.path), exist_ok=True)
-    fig.savefig(plot.path, format="png", metadata={"Software": None})
-    plt.close(fig)
+    save_figure(fig, plot.path, plt)
 
 
 def write_scaling(plot: Plot, plt: Any) -> None:
@@ -697,17 +705,7 @@ def write_scaling(plot: Plot, plt: Any) -> None:
         if len(pts) > 1:
             ax.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", color=color, alpha=0.6)
     ax.set_xticks(sorted(counts))
-    ax.set_xlabel("GPUs (one rank each); dotted: linear scaling")
-    ax.set_ylabel("tokens/s (median step)")
-    ax.set_title(plot.title, fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.set_xlim(left=0)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(plot.path), exist_ok=True)
-    fig.savefig(plot.path, format="png", metadata={"Software": None})
-    plt.close(fig)
+    finish_lines(fig, ax, plot, plt, "GPUs (one rank each); dotted: linear scaling", "tokens/s (median step)")
 
 
 def list_runs(records: list[dict[str, Any]]) -> str:

@@ -277,12 +277,8 @@ def _branchy_steps(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch
     return batches[:-1] + [batches[-1][:1]]
 
 
-def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
-    """Parameters that get gradients on some ranks only or on none, a partial last accumulation,
-    clipping: tsd streaming the reductions during backward, tsd reducing at step() (the same
-    collectives, launched later), tsd streaming with overlap_forward (updates completed by the
-    next forward) and DDP (find_unused_parameters) + AdamW."""
-    import trainstream
+def _branchy_reference(rank: int) -> list[torch.Tensor]:
+    """DDP (find_unused_parameters) + AdamW on the branchy model over `_branchy_steps`, clipped."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _Branchy(rank)
     ddp = DDP(model, find_unused_parameters=True)
@@ -297,7 +293,16 @@ def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    ref = [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
+    """Parameters that get gradients on some ranks only or on none, a partial last accumulation,
+    clipping: tsd streaming the reductions during backward, tsd reducing at step() (the same
+    collectives, launched later), tsd streaming with overlap_forward (updates completed by the
+    next forward) and DDP (find_unused_parameters) + AdamW."""
+    import trainstream
+    ref = _branchy_reference(rank)
 
     def run(streams: bool, job: str, overlap: bool = False) -> tuple[list[torch.Tensor], list[int], list[int]]:
         model = _Branchy(rank)
@@ -348,21 +353,7 @@ def share_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
     norm; against DDP (find_unused_parameters) + AdamW, with the branchy model and a partial last
     accumulation."""
     import trainstream
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _Branchy(rank)
-    ddp = DDP(model, find_unused_parameters=True)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
-    for micro in _branchy_steps(rank, STEPS):
-        for i, (x, y) in enumerate(micro):
-            if i < len(micro) - 1:
-                with ddp.no_sync():
-                    _loss(ddp, x, y).backward()
-            else:
-                _loss(ddp, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ref = [p.detach().clone() for p in model.parameters()]
+    ref = _branchy_reference(rank)
     for fraction in (0.5, 0.9):
         model = _Branchy(rank)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
