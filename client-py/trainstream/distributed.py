@@ -30,6 +30,7 @@ once) and every rank continues from the same step.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket as socket_mod
@@ -139,10 +140,9 @@ class DataParallel:
             if opts[name] != value:
                 raise ValueError(f"{name}={opts[name]!r} is not supported with distributed data parallel yet; "
                                  f"pass {name}={value!r} (or distributed=False)")
-        fraction = opts["optimizer_gpu_fraction"]
-        if fraction == "auto" or fraction == 1.0:
-            raise ValueError(f"optimizer_gpu_fraction={fraction!r} is not supported with distributed data parallel "
-                             f"yet: pass a number below 1 (the same on every rank), or 0 to keep every update in tsd")
+        if opts["optimizer_gpu_fraction"] == 1.0:
+            raise ValueError("optimizer_gpu_fraction=1 keeps no update in tsd, so the ranks would share nothing "
+                             "there: pass a number below 1 or 'auto' (or train with torch's DDP)")
         if opts["activation_offload"] not in (False, None, "auto"):
             raise ValueError("activation_offload is not supported with distributed data parallel yet; pass "
                              "activation_offload=False (or distributed=False)")
@@ -203,6 +203,20 @@ class DataParallel:
         if self.local_world > 1:
             spec.update(rank=self.local_rank, world=self.local_world)
         return spec
+
+    def agree_share(self, share: Any, limited: Callable[[int], Any], tensors: int) -> Any:
+        """The GPU share every rank takes (gpushare.ShareChoice): each rank's own choice is a
+        prefix of the same candidates ("auto" from its own free VRAM), so all take the shortest,
+        `limited(k)`, leaving tsd at least one tensor (the ranks share their optimizer there)."""
+        dist = _dist()
+        k = torch.tensor([min(len(share.ids), tensors - 1)], dtype=torch.int64)
+        dist.all_reduce(k, op=dist.ReduceOp.MIN, group=self.ctrl)
+        n = int(k.item())
+        if n == len(share.ids):
+            return share
+        agreed = limited(n)
+        return dataclasses.replace(agreed, why=f"{agreed.why}; {n} tensors, the smallest share of the group's ranks "
+                                               f"(this rank alone chose {len(share.ids)})")
 
     def register(self, client: Any, request: dict[str, Any]) -> Any:
         """Registers (the node's first rank) or joins (the others, after it) the job's optimizer.

@@ -149,14 +149,18 @@ def vram_room(budget: "Budget", demand: "Demand") -> Optional[int]:
 
 
 def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room: Optional[int],
-           excluded: Iterable[int] = (), moment_dtype: str = "float32") -> ShareChoice:
+           excluded: Iterable[int] = (), moment_dtype: str = "float32", limit: Optional[int] = None) -> ShareChoice:
     """The share for `option` (checked by check_fraction). `trainable`: each trainable parameter
     with its working copy's bytes per element, in wrap()'s bucket order (backward order: the last
     finish last); `room`: `vram_room()` (for "auto"); `excluded`: ids that must stay in tsd (paged
-    blocks)."""
+    blocks). The share is always the first tensors of the candidates (the last to finish), so
+    `limit` (at most that many tensors: data parallel's ranks agreeing on the smallest "auto"
+    share) keeps a prefix of what it would have been."""
     skip = set(excluded)
     total = sum(p.numel() for p, _ in trainable)
     candidates = [(p, w) for p, w in reversed(trainable) if id(p) not in skip]
+    if limit is not None:
+        candidates = candidates[:limit]
     ids: list[int] = []
     numel = vram = 0
     if option == "auto":

@@ -324,9 +324,11 @@ def _pageable(prep: _Prepared) -> list[set[int]]:
     return [{id(p) for p in blocks[i].parameters()} for i in indices]
 
 
-def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[Budget]) -> Plan:
+def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[Budget],
+          dp: Optional[DataParallel] = None) -> Plan:
     """Step 2: the budget (given fields, then measured ones) and the daemon's dry run of the
-    registration, into planner.plan(). Allocates nothing."""
+    registration, into planner.plan(). Allocates nothing. `dp`: data parallel's ranks agree on
+    the GPU share (the smallest any rank chose)."""
     given = budget if budget is not None else Budget()
     quota_request = client.quota_bytes if client.attached else parse_bytes(prep.opts["quota"])
     measured = given.merged(planner.tsd_budget(client.status(), client.jobs(), job, quota_request))
@@ -349,6 +351,10 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
     pageable = paged if prep.device.type == "cuda" or prep.opts["param_offload"] != "auto" else set()
     share = gpushare.choose(prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand),
                             pageable, md_guess)
+    if dp is not None:
+        share = dp.agree_share(share, lambda k: gpushare.choose(
+            prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand), pageable, md_guess,
+            limit=k), len(trainable))
     prep.split(share.ids)
     layouts = {md: client.plan_optimizer(**prep.request(md)) if prep.buckets else gpushare.EMPTY_LAYOUT
                for md in MOMENT_DTYPES}
@@ -423,7 +429,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         dp = DataParallel.start(opts, client)  # None unless distributed= trains data parallel
         attached = client.job if client.attached else None
         job = attached if attached is not None else (dp.job if dp is not None else _job_name(opts))
-        plan = _plan(client, prep, job, budget)
+        plan = _plan(client, prep, job, budget, dp)
         lap("plan")
         # ---- from here on, the plan is applied
         quantized = apply_wrap_quantize(model, opts, plan.budget, device)

@@ -354,12 +354,21 @@ def share_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
     accumulation."""
     import trainstream
     ref = _branchy_reference(rank)
-    for fraction in (0.5, 0.9):
+    # "auto" from each rank's own VRAM budget: rank 0 has room for everything, the others for about
+    # 3/4 of the share's bytes (the first 2 tensors); the ranks agree on the smallest.
+    model = _Branchy(rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    roomy = trainstream.plan_wrap(model, opt, device="cpu", socket=sock, optimizer_gpu_fraction="auto",
+                                  budget=trainstream.Budget(vram_usable=1 << 40))
+    total = sum(p.numel() for p in model.parameters())
+    half = int((roomy.demand.vram_resident - roomy.demand.gpu_optimizer + 9 * total) / 0.75)
+    budgets = {"auto": trainstream.Budget(vram_usable=1 << 40 if rank == 0 else half)}
+    for fraction in (0.5, 0.9, "auto"):
         model = _Branchy(rank)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
         model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True,
                                       job=f"dp-share-{fraction}", max_grad_norm=MAX_NORM, accumulation_steps=ACCUM,
-                                      optimizer_gpu_fraction=fraction)
+                                      optimizer_gpu_fraction=fraction, budget=budgets.get(str(fraction)))
         session = trainstream.unwrap_session(model)
         for micro in _branchy_steps(rank, STEPS):
             for x, y in micro:
@@ -371,6 +380,7 @@ def share_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
         out[f"share_{fraction}"] = dict(
             share=len(session.share.entries), tsd=len(session.params),
             max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, got)),
+            events=[e for e in session.events if "optimizer_gpu_fraction" in e],
             never_moved=all(torch.equal(a, b) for a, b in zip(got[-2:], list(_Branchy(rank).parameters())[-2:])))
         trainstream.unwrap(model)
 

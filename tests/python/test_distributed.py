@@ -130,7 +130,8 @@ def test_streamed_reductions_match_reducing_at_step_and_ddp(tmp_path):
 def test_gpu_share_under_data_parallel_matches_ddp(tmp_path):
     """optimizer_gpu_fraction with data parallel: every rank updates the share (torch's AdamW, its
     gradients averaged over the group) and tsd the rest, clipped by the global norm; equal to DDP
-    + AdamW within 1e-6 with a branch one rank uses, a module none uses and a partial accumulation."""
+    + AdamW within 1e-6 with a branch one rank uses, a module none uses and a partial accumulation.
+    With "auto", ranks with different VRAM budgets agree on the smallest share."""
     d = _daemon(tmp_path / "tsd")
     try:
         out = tmp_path / "out"
@@ -138,11 +139,15 @@ def test_gpu_share_under_data_parallel_matches_ddp(tmp_path):
         results = _run(3, [d.socket] * 3, "share", str(out))
         for r, res in enumerate(results):
             assert res is not None and "exception" not in res, (r, res)
-            for fraction in ("0.5", "0.9"):
+            for fraction in ("0.5", "0.9", "auto"):
                 got = res[f"share_{fraction}"]
                 assert got["share"] > 0 and got["tsd"] > 0, got
                 assert got["max_diff"] <= 1e-6, f"rank {r}, fraction {fraction}: {got['max_diff']} from DDP + AdamW"
                 assert got["never_moved"]
+        # "auto": every rank took the smallest share any rank chose (rank 0 alone would take all but one).
+        autos = [res["share_auto"] for res in results]
+        assert len({a["share"] for a in autos}) == 1 and autos[0]["share"] < autos[0]["share"] + autos[0]["tsd"] - 1
+        assert "the smallest share of the group's ranks" in autos[0]["events"][0], autos[0]["events"]
     finally:
         d.stop()
 
