@@ -166,7 +166,8 @@ class StreamedReduction:
         self.taken: set[int] = set()  # launched in this step (their gradients left p.grad)
         self.arrivals: list[int] = []  # this step's buckets in the order their last gradient came
         self.flights: deque[_Flight] = deque()  # collectives whose completion the host still handles
-        self.held: list[_Flight] = []  # eager: launched, waited for at step() (keeps the tensors alive)
+        # Eager: launched, oldest first, each kept (its tensors alive) until its collective is done.
+        self.held: deque[_Flight] = deque()
         # The hyperparameters this step's first launch during backward found (rank 0 wrote them into
         # tsd then, before any owner could ring); None: nothing was launched before step().
         self.hyper: Optional[list[tuple[float, ...]]] = None
@@ -196,8 +197,17 @@ class StreamedReduction:
                 self.hyper = session.group_hyper(optimizer)
                 self.dp.write_hyper(session, self.hyper)
             self._launch(session, nb, in_backward=True)
-        if not self.eager:
+        if self.eager:
+            self._release_done()
+        else:
             self._poll(session, block=False)
+
+    def _release_done(self) -> None:
+        """Eager: lets go of the collectives that finished, oldest first, so that their gradients'
+        memory returns to the allocator during backward (the owner's copy holds its tensor
+        through the side stream: record_stream)."""
+        while self.held and self.held[0].work.is_completed():
+            self.held.popleft().work.wait()
 
     # ---- step()
     def finish(self, session: Any, stepped: list[int]) -> None:
