@@ -50,9 +50,6 @@ _T = TypeVar("_T")
 # else through a host buffer at step()), "device" or "host" (reduction.py; tests force one).
 REDUCTION = "auto"
 
-# wrap() options that do not work with distributed= yet, and the values they must keep.
-_UNSUPPORTED = {"param_offload": False}
-
 
 def check_option(value: Any) -> None:
     """Refuses a `distributed=` value that is not "auto", True or False."""
@@ -135,17 +132,12 @@ class DataParallel:
         if not enabled(opts["distributed"]):
             return None
         if opts["param_offload"] == "auto":
-            opts["param_offload"] = False  # the default: weight paging is not supported with data parallel yet
-        for name, value in _UNSUPPORTED.items():
-            if opts[name] != value:
-                raise ValueError(f"{name}={opts[name]!r} is not supported with distributed data parallel yet; "
-                                 f"pass {name}={value!r} (or distributed=False)")
+            # The default: the weight planner decides per process from its own step, so ranks could page
+            # differently (harmless, but not yet measured); name the blocks to page them.
+            opts["param_offload"] = False
         if opts["optimizer_gpu_fraction"] == 1.0:
             raise ValueError("optimizer_gpu_fraction=1 keeps no update in tsd, so the ranks would share nothing "
                              "there: pass a number below 1 or 'auto' (or train with torch's DDP)")
-        if opts["activation_offload"] not in (False, None, "auto"):
-            raise ValueError("activation_offload is not supported with distributed data parallel yet; pass "
-                             "activation_offload=False (or distributed=False)")
         dist = _dist()
         group = dist.group.WORLD
         job = opts["job"] or _job_from_launch()
@@ -439,11 +431,13 @@ class DataParallel:
             if b not in skip:
                 self.expected[b] += 1
             ps = params[b]
-            if b in deferrable:  # overlap_forward: its module's next forward waits for it and copies it
+            if b in deferrable and not ps.paged:  # overlap_forward: its module's next forward waits and copies
                 session.deferred_versions[b] = ps.param._version
                 session.waits.defer(b)
                 continue
             h.wait_steps(b, self.expected[b])
+            if ps.paged:  # param_offload: its slot is its only copy, which the pager brings in at its next use
+                continue
             p = ps.param
             with torch.no_grad():
                 p.view(p.shape).copy_(ps.param_slot.view(p.shape))
@@ -457,6 +451,8 @@ class DataParallel:
         skip.clear()
         red.end_step()
         session.steps += 1
+        if session.pager is not None:  # param_offload: frees what is still on the device
+            session.pager.after_step()
         if len(self.nodes) > 1 and session.steps % self.check_every == 0:
             self._check_nodes_agree(session)
         return changed

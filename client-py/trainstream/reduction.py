@@ -97,7 +97,7 @@ class HostChunks:
         chunk: list[int] = []
         size = 0
         for b in buckets:
-            n = params[b].param.numel()
+            n = params[b].shape.numel()
             if chunk and size + n > limit:
                 self._reduce_chunk(session, chunk, dtype, owner, size)
                 chunk, size = [], 0
@@ -119,7 +119,7 @@ class HostChunks:
         flat = self._staging(dtype, numel)
         offset = 0
         for ps in (params[b] for b in buckets):
-            n = ps.param.numel()
+            n = ps.shape.numel()  # a paged parameter is an empty tensor between uses
             if ps.param.grad is not None:
                 flat[offset:offset + n].copy_(ps.param.grad.detach().reshape(-1))
             else:
@@ -133,7 +133,7 @@ class HostChunks:
         flat.div_(dp.world)
         offset = 0
         for b in buckets:
-            n = params[b].param.numel()
+            n = params[b].shape.numel()
             dp.deliver(session, b, flat[offset:offset + n])
             offset += n
 
@@ -264,7 +264,7 @@ class StreamedReduction:
         self.taken.add(b)
         dtype = ps.grad_slot.dtype
         if grad is None:  # stepped for another rank's gradient: this rank adds zeros
-            flat = torch.zeros(ps.param.numel(), dtype=dtype, device=self.device)
+            flat = torch.zeros(ps.shape.numel(), dtype=dtype, device=self.device)
         else:
             flat = grad.detach().reshape(-1)
             if flat.dtype != dtype or not flat.is_contiguous():

@@ -385,6 +385,81 @@ def share_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
         trainstream.unwrap(model)
 
 
+class _Stack(torch.nn.Module):
+    """A stack of blocks (an nn.ModuleList), as activation paging needs, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h)
+
+
+def paging_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
+    """Paging under data parallel, each rank its own: the blocks' saved activations into host
+    memory tsd lends it (activation_offload), blocks 0 and 2's weights out of the model between
+    uses (param_offload: their tsd slot, shared by the node's ranks, is their only copy), both with
+    overlap_forward; each bit-identical to the run without paging and within 1e-6 of DDP + AdamW
+    (clipping, accumulation)."""
+    import trainstream
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _Stack()
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01)
+    for micro in _batches(rank, STEPS):
+        for i, (x, y) in enumerate(micro):
+            if i < len(micro) - 1:
+                with ddp.no_sync():
+                    _loss(ddp, x, y).backward()
+            else:
+                _loss(ddp, x, y).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    ref = [p.detach().clone() for p in model.parameters()]
+    variants: dict[str, dict[str, Any]] = {
+        "none": {}, "act": dict(activation_offload=True), "weights": dict(param_offload=[0, 2]),
+        "both-overlap": dict(activation_offload=True, param_offload=[0, 2], overlap_forward=True)}
+    runs = {}
+    for name, options in variants.items():
+        model = _Stack()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+        model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, job=f"dp-{name}",
+                                      max_grad_norm=MAX_NORM, accumulation_steps=ACCUM, **options)
+        session = trainstream.unwrap_session(model)
+        if session.act_pager is not None:
+            session.act_pager.min_bytes = 256  # 1 MiB would page nothing of this small model
+        paged = 0
+        for micro in _batches(rank, STEPS):
+            for x, y in micro:
+                _loss(model, x, y).backward()
+            if session.act_pager is not None:
+                paged += session.act_pager.paged_tensors
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.synchronize()
+        torch.distributed.barrier()
+        runs[name] = [p.detach().clone() for p in model.parameters()] if session.pager is None else \
+            [session.by_param[id(p)].master.view(session.by_param[id(p)].shape).clone() for p in model.parameters()]
+        out[name] = dict(paged_tensors=paged,
+                         weight_pages=0 if session.pager is None else sum(b.paged for b in session.pager.blocks))
+        torch.distributed.barrier()
+        trainstream.unwrap(model)
+        back = [p.detach().clone() for p in model.parameters()]  # unwrap() brought paged weights back
+        out[name].update(unwrapped_equal=all(torch.equal(a, b) for a, b in zip(back, runs[name])))
+    for name in variants:
+        out[name].update(bit_equal=all(torch.equal(a, b) for a, b in zip(runs[name], runs["none"])),
+                         max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, runs[name])))
+
+
 def misaccumulate(rank: int, sock: str, out: dict[str, Any]) -> None:
     """Two backward passes before step() without accumulation_steps=2: the second raises."""
     import trainstream
@@ -448,6 +523,8 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             stream_parity(rank, world, sockets[rank], out)
         elif mode == "share":
             share_parity(rank, sockets[rank], out)
+        elif mode == "paging":
+            paging_parity(rank, sockets[rank], out)
         elif mode == "misaccumulate":
             misaccumulate(rank, sockets[rank], out)
         elif mode == "diverge":
@@ -463,6 +540,6 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode not in ("parity", "parity-chunked", "stream", "share", "kept-resume", "kept-resume-noclip"):
+    if mode not in ("parity", "parity-chunked", "stream", "share", "paging", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

@@ -152,6 +152,28 @@ def test_gpu_share_under_data_parallel_matches_ddp(tmp_path):
         d.stop()
 
 
+def test_paging_under_data_parallel(tmp_path):
+    """Every rank pages its blocks' saved activations into host memory tsd lends it and/or pages
+    two blocks' weights out between uses (their shared tsd slot is their only copy), also with
+    overlap_forward: bit-identical to the run without paging and within 1e-6 of DDP + AdamW
+    (clipping, accumulation); unwrap() brings the paged weights back."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        for r, res in enumerate(_run(2, [d.socket] * 2, "paging", str(out))):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["act"]["paged_tensors"] > 0 and res["weights"]["weight_pages"] == 2, res
+            assert res["both-overlap"]["paged_tensors"] > 0 and res["both-overlap"]["weight_pages"] == 2, res
+            for name in ("act", "weights", "both-overlap"):
+                assert res[name]["bit_equal"], f"rank {r}: {name} changed the result"
+            for name in ("none", "act", "weights", "both-overlap"):
+                assert res[name]["max_diff"] <= 1e-6, f"rank {r}, {name}: {res[name]['max_diff']} from DDP + AdamW"
+                assert res[name]["unwrapped_equal"], (r, name)
+    finally:
+        d.stop()
+
+
 def test_a_gradient_past_accumulation_steps_is_refused(tmp_path):
     d = _daemon(tmp_path / "tsd")
     try:
