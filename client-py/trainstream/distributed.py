@@ -64,17 +64,20 @@ def _dist() -> Any:
 
 def enabled(value: Any) -> bool:
     """Whether `distributed=value` trains data parallel here: "auto" when torch.distributed is
-    initialized with more than one rank; True requires that (else a clear error)."""
+    initialized with more than one rank; True whenever it is initialized (a group of one rank
+    included: the same results as one trainer, through the group's path), else a clear error."""
     check_option(value)
     if value is False:
         return False
     dist = _dist()
-    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if value is True and not on:
-        raise ValueError("distributed=True needs torch.distributed initialized with more than one rank "
-                         "(torch.distributed.init_process_group, e.g. under torchrun); pass distributed='auto' "
-                         "to train in one process when it is not")
-    return on
+    initialized = dist.is_available() and dist.is_initialized()
+    if value is True:
+        if not initialized:
+            raise ValueError("distributed=True needs torch.distributed initialized (torch.distributed."
+                             "init_process_group, e.g. under torchrun); pass distributed='auto' to train in one "
+                             "process when it is not")
+        return True
+    return initialized and dist.get_world_size() > 1
 
 
 def _job_from_launch() -> Optional[str]:

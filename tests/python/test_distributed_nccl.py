@@ -3,8 +3,9 @@ ranks of a group initialized as "cpu:gloo,cuda:nccl", rank r on cuda:r, share on
 optimizer and train as torch DDP (over NCCL) + torch.optim.AdamW does: within 1e-6 after 20 fp32
 steps, with accumulation and clipping that bites (tests/python/dist_worker.py's `parity`).
 
-At 2 ranks and at every larger power of two up to the machine's GPU count. Skipped without CUDA
-or with fewer than 2 GPUs (`pytest --cuda-tests` selects it on the GPU machine)."""
+At 2 ranks and at every larger power of two up to the machine's GPU count (skipped with fewer
+than 2 GPUs), and a group of one rank on one GPU, which takes the same NCCL path (skipped without
+CUDA; `pytest --cuda-tests` selects these on the GPU machine)."""
 from __future__ import annotations
 
 import json
@@ -63,5 +64,22 @@ def test_one_rank_per_gpu_nccl_matches_ddp_adamw_one_tsd(tmp_path, world):
         _check_parity(results, world, nodes=1, out_dir=str(out))
         assert [res["cuda_device"] for res in results] == list(range(world)), "a rank ran on another rank's GPU"
         assert d.log().count("event=optimizer_registered") == 1  # one optimizer for the node's ranks
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(GPUS < 1 or not torch.distributed.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs CUDA and torch.distributed with NCCL")
+def test_one_rank_nccl_group_on_one_gpu_matches_ddp_adamw(tmp_path):
+    """A group of one rank with NCCL (distributed=True) takes the path of several: each bucket's
+    gradient reduced by NCCL during backward, the owner's copy into tsd and its doorbell queued on
+    the side stream behind it. On a machine with one GPU this is how that path runs at all."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(1, [d.socket], str(out))
+        _check_parity(results, 1, nodes=1, out_dir=str(out))
+        assert "gradients reduced on cuda through nccl, bucket by bucket" in results[0]["events"], results[0]["events"]
     finally:
         d.stop()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_worker import STEPS
-from test_distributed import _daemon, _run
+from test_distributed import _check_parity, _daemon, _run
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")
@@ -106,5 +106,19 @@ def test_a_gradient_past_accumulation_steps_is_refused(tmp_path):
         for res in _run(2, [d.socket] * 2, "misaccumulate", str(out), timeout=120):
             assert res is not None and "exception" not in res, res
             assert res["error"] is not None and "accumulation_steps=N" in res["error"], res
+    finally:
+        d.stop()
+
+
+def test_a_group_of_one_rank_takes_the_group_path(tmp_path):
+    """distributed=True in a process group of one rank: the group's path (a job of one session,
+    its reductions over the group), with one trainer's results (DDP + AdamW within 1e-6)."""
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(1, [d.socket], "parity", str(out))
+        _check_parity(results, 1, nodes=1, out_dir=str(out))
+        assert "rank 0 of 1" in results[0]["events"] and "through gloo" in results[0]["events"], results[0]["events"]
     finally:
         d.stop()
