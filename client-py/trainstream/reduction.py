@@ -286,6 +286,9 @@ class StreamedReduction:
             self.held.append(_Flight(b, work, flat, len(dp.nodes) > 1))
             flat.div_(dp.world)
             dp.deliver(session, b, flat, stream=side)
+            # The tensor came from the backward's stream; once let go of (held, after its collective),
+            # the allocator must not reuse it before the side stream's copy out of it is done.
+            flat.record_stream(side)
         if in_backward:
             self.in_backward += 1
 
