@@ -43,7 +43,7 @@ from .memory import HostArena, PinnedHost
 from .paging.activations import ActivationPager
 from .paging.weights import WeightPager
 from .planner import Budget
-from .prefetch import ForwardOrder, UpdateWaits, owners_of, wait_modules
+from .prefetch import ForwardOrder, UpdateWaits, owners_of, stale_use_event, wait_modules
 
 # One bucket's optimizer state as flat tensors: (fp32 master, exp_avg, exp_avg_sq, step).
 BucketState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -207,9 +207,7 @@ class Session:
             # Its forward ran without completing it (a use no pre-hook saw): the daemon may still read
             # its slots. Take the update before the slot is written; the gradient came from the old weight.
             self.wait_updates([b])
-            self.events.append(f"overlap_forward: bucket {ps.index}'s update was still pending at its next gradient "
-                               f"(it was used outside the forward recorded at the first step); pass "
-                               f"overlap_forward=False to wrap() if parameters are used outside module forwards")
+            self.events.append(stale_use_event(ps.index))
         n = self.counts.get(b, 0) + 1
         if b in self.finaled:
             raise RuntimeError(

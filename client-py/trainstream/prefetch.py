@@ -146,6 +146,14 @@ class UpdateWaits:
         self.deferrable = frozenset()
 
 
+def stale_use_event(index: int) -> str:
+    """The event line for parameter `index` getting a gradient while its update was still owed
+    (it was used outside the forward the first step recorded, so no pre-hook took the update)."""
+    return (f"overlap_forward: bucket {index}'s update was still pending at its next gradient (it was used outside "
+            f"the forward recorded at the first step); pass overlap_forward=False to wrap() if parameters are used "
+            f"outside module forwards")
+
+
 def wait_modules(model: nn.Module, first: dict[int, Optional[nn.Module]], owners: dict[int, list[nn.Module]],
                  eligible: Iterable[int]) -> dict[nn.Module, list[int]]:
     """For each eligible bucket that the recorded forward used inside a module: the modules whose

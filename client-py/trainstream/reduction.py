@@ -26,6 +26,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .prefetch import stale_use_event
+
 # HostChunks: the gradients of a step cross the group in chunks of about this many bytes.
 REDUCE_CHUNK_BYTES = 64 << 20
 
@@ -179,6 +181,11 @@ class StreamedReduction:
         """Backward's hook for one parameter: counts its gradient; the last of the step makes the
         bucket ready, and every ready bucket next in the order is launched."""
         b = ps.bucket
+        if b in session.waits.pending:
+            # overlap_forward, a use no pre-hook saw: take the last update before this step's can
+            # overwrite the slot (the gradient came from the old weight, as for a single trainer).
+            session.wait_updates([b])
+            session.events.append(stale_use_event(ps.index))
         n = self.counts.get(b, 0) + 1
         self.counts[b] = n
         if n > session.accumulation_steps and (self.streams or b in self.taken):

@@ -217,6 +217,34 @@ def paging_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
                          max_diff=max(float((a - b).abs().max()) for a, b in zip(ref, runs[name])))
 
 
+def stale_use(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
+    """overlap_forward with a weight used outside any module's forward: `extra` runs in the first
+    (recorded) forward only; later, a penalty on its weight in the loss is its only use, so no
+    pre-hook takes its update and its next gradient finds the update still owed. The rank takes it
+    then (an event says so) and the ranks stay identical."""
+    import trainstream
+    model = _Branchy(0)  # every rank uses `extra` in the first forward
+    opt = torch.optim.AdamW(model.parameters(), lr=dw.LR, weight_decay=0.01)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=sock, distributed=True, job="dp-stale",
+                                  max_grad_norm=dw.MAX_NORM, overlap_forward=True)
+    session = trainstream.unwrap_session(model)
+    penalized = model.extra.weight
+    for step, micro in enumerate(dw._batches(rank, 6)):
+        x, y = micro[0]
+        (dw._loss(model, x, y) + 1e-2 * penalized.pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.rank = 1  # from the second forward on, `extra` does not run
+    opt.synchronize()
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, got)
+    out.update(events=[e for e in session.events if "still pending" in e],
+               same=all(torch.equal(g, everyone[0]) for g in everyone))
+    torch.distributed.barrier()
+    trainstream.unwrap(model)
+
+
 def misaccumulate(rank: int, sock: str, out: dict[str, Any]) -> None:
     """Two backward passes before step() without accumulation_steps=2: the second raises."""
     import trainstream

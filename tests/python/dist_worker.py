@@ -23,7 +23,7 @@ Modes:
           RESUME_STEPS; then, in the same processes, the same run uninterrupted (another job) and
           DDP + AdamW: records what resume reported and the parameters' differences.
   (`-noclip` after kept-kill-in-step and kept-resume: the same without max_grad_norm.)
-  stream, share, paging, misaccumulate  wrap()'s options under data parallel (dist_options.py, for
+  stream, share, paging, stale, misaccumulate  wrap()'s options under data parallel (dist_options.py, for
           tests/python/test_distributed_options.py).
 """
 from __future__ import annotations
@@ -306,6 +306,8 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
             dist_options.share_parity(rank, sockets[rank], out)
         elif mode == "paging":
             dist_options.paging_parity(rank, sockets[rank], out)
+        elif mode == "stale":
+            dist_options.stale_use(rank, world, sockets[rank], out)
         elif mode == "misaccumulate":
             dist_options.misaccumulate(rank, sockets[rank], out)
         elif mode == "diverge":
@@ -321,6 +323,6 @@ def main(rank: int, world: int, port: int, sockets: list[str], mode: str, out_di
         out["exception"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    if mode not in ("parity", "parity-chunked", "stream", "share", "paging", "kept-resume", "kept-resume-noclip"):
+    if mode not in ("parity", "parity-chunked", "stream", "share", "paging", "stale", "kept-resume", "kept-resume-noclip"):
         os._exit(0)  # the group has a dead member: destroying it could wait on it
     torch.distributed.destroy_process_group()

@@ -122,3 +122,17 @@ def test_a_group_of_one_rank_takes_the_group_path(tmp_path):
         assert "rank 0 of 1" in results[0]["events"] and "through gloo" in results[0]["events"], results[0]["events"]
     finally:
         d.stop()
+
+
+def test_overlap_with_a_weight_used_outside_forward_takes_the_owed_update_first(tmp_path):
+    d = _daemon(tmp_path / "tsd")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = _run(2, [d.socket] * 2, "stale", str(out))
+        for r, res in enumerate(results):
+            assert res is not None and "exception" not in res, (r, res)
+            assert res["events"] and "used outside the forward recorded" in res["events"][0], res
+            assert res["same"], "the ranks' parameters differ"
+    finally:
+        d.stop()
