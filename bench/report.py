@@ -443,10 +443,16 @@ def plot_points(block: Block, records: list[dict[str, Any]]) -> dict[str, list[t
     return {m: sorted(out[m]) for m in order if m in out}
 
 
-def render_plot(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
+def block_image(block: Block) -> str:
+    """The block's img= (a PNG's file name in docs/img); a clear error without a valid one."""
     img = block.get("img")
     if not img or not re.fullmatch(r"[A-Za-z0-9_.-]+\.png", img):
         raise ReportError(f"{block.where()}: give img=NAME.png (letters, digits, '_', '-', '.')")
+    return img
+
+
+def render_plot(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
+    img = block_image(block)
     points = plot_points(block, records)
     if not points:
         return empty(block)
@@ -461,9 +467,7 @@ def render_plot(block: Block, records: list[dict[str, Any]], img_dir: str, plots
 
 
 def render_bars(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
-    img = block.get("img")
-    if not img or not re.fullmatch(r"[A-Za-z0-9_.-]+\.png", img):
-        raise ReportError(f"{block.where()}: give img=NAME.png (letters, digits, '_', '-', '.')")
+    img = block_image(block)
     which = block.get("vram", "device")
     if which not in ("device", "torch"):
         raise ReportError(f"{block.where()}: vram= is device or torch, not {which!r}")
@@ -515,9 +519,7 @@ def scaling_run(block: Block, records: list[dict[str, Any]]) -> list[dict[str, A
 
 
 def render_scaling(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
-    img = block.get("img")
-    if not img or not re.fullmatch(r"[A-Za-z0-9_.-]+\.png", img):
-        raise ReportError(f"{block.where()}: give img=NAME.png (letters, digits, '_', '-', '.')")
+    img = block_image(block)
     run = scaling_run(block, records)
     if not run:
         return empty(block, "no run at two or more GPU counts, so no plot")

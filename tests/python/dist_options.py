@@ -34,13 +34,14 @@ def _branchy_steps(rank: int, steps: int) -> list[list[tuple[torch.Tensor, torch
     return batches[:-1] + [batches[-1][:1]]
 
 
-def _branchy_reference(rank: int) -> list[torch.Tensor]:
-    """DDP (find_unused_parameters) + AdamW on the branchy model over `_branchy_steps`, clipped."""
+def _ddp_reference(model: torch.nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                   find_unused: bool = False) -> list[torch.Tensor]:
+    """DDP + AdamW on `model` over `steps` (no_sync for all but each step's last micro-batch),
+    clipped at MAX_NORM: the parameters after."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _Branchy(rank)
-    ddp = DDP(model, find_unused_parameters=True)
+    ddp = DDP(model, find_unused_parameters=find_unused)
     opt = torch.optim.AdamW(ddp.parameters(), lr=dw.LR, weight_decay=0.01)
-    for micro in _branchy_steps(rank, dw.STEPS):
+    for micro in steps:
         for i, (x, y) in enumerate(micro):
             if i < len(micro) - 1:
                 with ddp.no_sync():
@@ -51,6 +52,11 @@ def _branchy_reference(rank: int) -> list[torch.Tensor]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _branchy_reference(rank: int) -> list[torch.Tensor]:
+    """DDP (find_unused_parameters) + AdamW on the branchy model over `_branchy_steps`."""
+    return _ddp_reference(_Branchy(rank), _branchy_steps(rank, dw.STEPS), find_unused=True)
 
 
 def stream_parity(rank: int, world: int, sock: str, out: dict[str, Any]) -> None:
@@ -167,21 +173,7 @@ def paging_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
     overlap_forward; each bit-identical to the run without paging and within 1e-6 of DDP + AdamW
     (clipping, accumulation)."""
     import trainstream
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = _Stack()
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=dw.LR, weight_decay=0.01)
-    for micro in dw._batches(rank, dw.STEPS):
-        for i, (x, y) in enumerate(micro):
-            if i < len(micro) - 1:
-                with ddp.no_sync():
-                    dw._loss(ddp, x, y).backward()
-            else:
-                dw._loss(ddp, x, y).backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), dw.MAX_NORM)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    ref = [p.detach().clone() for p in model.parameters()]
+    ref = _ddp_reference(_Stack(), dw._batches(rank, dw.STEPS))
     variants: dict[str, dict[str, Any]] = {
         "none": {}, "act": dict(activation_offload=True), "weights": dict(param_offload=[0, 2]),
         "both-overlap": dict(activation_offload=True, param_offload=[0, 2], overlap_forward=True)}
