@@ -34,10 +34,12 @@ import dataclasses
 import os
 import re
 import socket as socket_mod
+import time
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from . import _report
 from .engine import hyper_changed
 from .errors import TsdError
 from .reduction import HostChunks, StreamedReduction, backend_for
@@ -386,6 +388,7 @@ class DataParallel:
             raise hyper_changed(*changed)
 
     def _step(self, session: Any, optimizer: torch.optim.Optimizer) -> Optional[tuple[Any, Any]]:
+        started = time.perf_counter()
         dist = _dist()
         h = session.handle
         params = session.params
@@ -456,6 +459,8 @@ class DataParallel:
         session.steps += 1
         if session.pager is not None:  # param_offload: frees what is still on the device
             session.pager.after_step()
+        if self.local_rank == 0:  # the job's activity (tsctl top): the node's first rank's step
+            _report.report_step(session, started)
         if len(self.nodes) > 1 and session.steps % self.check_every == 0:
             self._check_nodes_agree(session)
         return changed

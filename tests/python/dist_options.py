@@ -4,6 +4,9 @@ the GPU share, activation and weight paging, accumulation), each against DDP + A
 the same run without the option. Shares dist_worker's data, loss and settings."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from typing import Any
 
 import torch
@@ -166,6 +169,15 @@ class _Stack(torch.nn.Module):
         return self.head(h)
 
 
+def _activity(sock: str, job: str) -> Any:
+    """`tsctl jobs --json`'s activity of `job` (what the clients reported of their steps)."""
+    from conftest import tsd_binary
+    tsctl = os.environ.get("TSCTL_BIN", os.path.join(os.path.dirname(tsd_binary()), "tsctl"))
+    listed = json.loads(subprocess.run([tsctl, "--socket", sock, "jobs", "--json"], capture_output=True, text=True,
+                                       check=True).stdout)
+    return next((j["activity"] for j in listed if j["name"] == job), None)
+
+
 def paging_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
     """Paging under data parallel, each rank its own: the blocks' saved activations into host
     memory tsd lends it (activation_offload), blocks 0 and 2's weights out of the model between
@@ -200,6 +212,8 @@ def paging_parity(rank: int, sock: str, out: dict[str, Any]) -> None:
             [session.by_param[id(p)].master.view(session.by_param[id(p)].shape).clone() for p in model.parameters()]
         out[name] = dict(paged_tensors=paged,
                          weight_pages=0 if session.pager is None else sum(b.paged for b in session.pager.blocks))
+        if rank == 0:  # the job's activity, reported by the node's first rank (tsctl top)
+            out[name]["activity"] = _activity(sock, session.client.job)
         torch.distributed.barrier()
         trainstream.unwrap(model)
         back = [p.detach().clone() for p in model.parameters()]  # unwrap() brought paged weights back

@@ -85,7 +85,8 @@ def test_paging_under_data_parallel(tmp_path):
     try:
         out = tmp_path / "out"
         out.mkdir()
-        for r, res in enumerate(_run(2, [d.socket] * 2, "paging", str(out))):
+        results = _run(2, [d.socket] * 2, "paging", str(out))
+        for r, res in enumerate(results):
             assert res is not None and "exception" not in res, (r, res)
             assert res["act"]["paged_tensors"] > 0 and res["weights"]["weight_pages"] == 2, res
             assert res["both-overlap"]["paged_tensors"] > 0 and res["both-overlap"]["weight_pages"] == 2, res
@@ -94,6 +95,10 @@ def test_paging_under_data_parallel(tmp_path):
             for name in ("none", "act", "weights", "both-overlap"):
                 assert res[name]["max_diff"] <= 1e-6, f"rank {r}, {name}: {res[name]['max_diff']} from DDP + AdamW"
                 assert res[name]["unwrapped_equal"], (r, name)
+        # The node's first rank reports each step's wait and the pages it moved (tsctl top).
+        act = results[0]["act"]["activity"]
+        assert act["client_reports"] == STEPS and act["d2h_bytes_per_step"] > 0, act
+        assert results[0]["weights"]["activity"]["h2d_bytes_per_step"] > 0, results[0]["weights"]["activity"]
     finally:
         d.stop()
 
