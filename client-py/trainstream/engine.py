@@ -60,6 +60,15 @@ def hyper_changed(was: list[tuple[float, ...]], now: list[tuple[float, ...]]) ->
         f"after optimizer.step()), or pass max_grad_norm to wrap() (updates then run at step())")
 
 
+def too_many_gradients(index: int, n: int, steps: int, why: str) -> RuntimeError:
+    """The error for parameter `index`'s gradient number `n` in a step of `steps` accumulations
+    (`why`: what already happened to the step's gradient)."""
+    return RuntimeError(
+        f"parameter {index} received gradient number {n} before optimizer.step(), with accumulation_steps={steps}: "
+        f"{why}. For gradient accumulation over N backward passes per step() pass accumulation_steps=N to "
+        f"trainstream.wrap()")
+
+
 class ParamSlots:
     """One trainable parameter: its bucket and the tensors aliasing the bucket's slots."""
 
@@ -210,10 +219,7 @@ class Session:
             self.events.append(stale_use_event(ps.index))
         n = self.counts.get(b, 0) + 1
         if b in self.finaled:
-            raise RuntimeError(
-                f"parameter {ps.index} received gradient number {n} before optimizer.step(), with "
-                f"accumulation_steps={self.accumulation_steps}: tsd already took its last gradient of this step. For "
-                f"gradient accumulation over N backward passes per step() pass accumulation_steps=N to trainstream.wrap()")
+            raise too_many_gradients(ps.index, n, self.accumulation_steps, "tsd already took its last gradient of this step")
         final = n == self.accumulation_steps
         first = n == 1
         if first and p._version != ps.version:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .engine import too_many_gradients
 from .prefetch import stale_use_event
 
 # HostChunks: the gradients of a step cross the group in chunks of about this many bytes.
@@ -53,13 +54,6 @@ def backend_for(group: Any, device_type: str) -> Optional[str]:
     return spec if device_type in _BACKEND_DEVICES.get(spec, ()) else None
 
 
-def unsupported_accumulation(index: int, n: int, steps: int) -> RuntimeError:
-    return RuntimeError(
-        f"parameter {index} received gradient number {n} before optimizer.step(), with accumulation_steps={steps}: "
-        f"its gradients of this step were already being reduced over the group. For gradient accumulation over N "
-        f"backward passes per step() pass accumulation_steps=N to trainstream.wrap()")
-
-
 class HostChunks:
     """Reduces a step's gradients at `step()` through one host buffer per dtype, chunk by chunk
     (the node's sum onto the bucket's owner, then the owners of every node all-reduce), over the
@@ -74,7 +68,6 @@ class HostChunks:
         self.taken: set[int] = set()  # never: the gradients stay in p.grad until step()
 
     hyper = None  # nothing is launched before step()
-    in_backward = 0
 
     def on_grad(self, session: Any, optimizer: torch.optim.Optimizer, ps: Any) -> None:
         """Backward's hook: the gradient stays in p.grad (accumulating) until step()."""
@@ -173,7 +166,6 @@ class StreamedReduction:
         # The hyperparameters this step's first launch during backward found (rank 0 wrote them into
         # tsd then, before any owner could ring); None: nothing was launched before step().
         self.hyper: Optional[list[tuple[float, ...]]] = None
-        self.in_backward = 0  # this step's deliveries made during backward
         self.error: Optional[BaseException] = None  # a collective that failed during backward
 
     # ---- backward
@@ -189,7 +181,8 @@ class StreamedReduction:
         n = self.counts.get(b, 0) + 1
         self.counts[b] = n
         if n > session.accumulation_steps and (self.streams or b in self.taken):
-            raise unsupported_accumulation(ps.index, n, session.accumulation_steps)
+            raise too_many_gradients(ps.index, n, session.accumulation_steps,
+                                     "its gradients of this step were already being reduced over the group")
         if n != session.accumulation_steps:
             return
         self.arrivals.append(b)
@@ -203,7 +196,7 @@ class StreamedReduction:
             if self.hyper is None:  # before this step's first reduction, so before any owner rings
                 self.hyper = session.group_hyper(optimizer)
                 self.dp.write_hyper(session, self.hyper)
-            self._launch(session, nb, in_backward=True)
+            self._launch(session, nb)
         if self.eager:
             self._release_done()
         else:
@@ -225,7 +218,7 @@ class StreamedReduction:
         todo = set(stepped) - self.taken
         for b in self.order[self.next:]:
             if b in todo:
-                self._launch(session, b, in_backward=False)
+                self._launch(session, b)
         deliveries: list[tuple[int, torch.Tensor]] = []
         self._poll(session, block=True, out=deliveries)
         for f in self.held:
@@ -243,7 +236,6 @@ class StreamedReduction:
         self.arrivals = []
         self.next = 0
         self.hyper = None
-        self.in_backward = 0
 
     def _learn_order(self) -> None:
         """After the first step, every rank takes the same order, from the order in which the
@@ -263,7 +255,7 @@ class StreamedReduction:
         self.order = list(dict.fromkeys(first + some + list(range(n))))
 
     # ---- a bucket's collectives
-    def _launch(self, session: Any, b: int, in_backward: bool) -> None:
+    def _launch(self, session: Any, b: int) -> None:
         dist, dp = _dist(), self.dp
         ps = session.params[b]
         grad = ps.param.grad
@@ -296,8 +288,6 @@ class StreamedReduction:
             # The tensor came from the backward's stream; once let go of (held, after its collective),
             # the allocator must not reuse it before the side stream's copy out of it is done.
             flat.record_stream(side)
-        if in_backward:
-            self.in_backward += 1
 
     def _poll(self, session: Any, block: bool, out: Optional[list[tuple[int, torch.Tensor]]] = None) -> None:
         """The host's part of collectives that finished, oldest first: the owner's second stage
@@ -326,4 +316,3 @@ class StreamedReduction:
                 out.append((f.bucket, f.flat))
             else:
                 dp.deliver(session, f.bucket, f.flat)
-                self.in_backward += 1
