@@ -35,7 +35,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import socket as socketlib
 import sys
 import tempfile
 import time
@@ -152,19 +151,15 @@ def rank_main(rank: int, a: argparse.Namespace, port: int, socket: Optional[str]
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A TCP port on the loopback that nothing listens on now (for MASTER_PORT)."""
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(a: argparse.Namespace) -> None:
     """The measured process: spawns the ranks, waits for them (once one fails, the others get
     STRAGGLER_S seconds before they are killed) and prints their figures as one @@{json} line."""
     world = world_of(a)
     out_dir = tempfile.mkdtemp(prefix="dp-bench-")
     ctx = multiprocessing.get_context("spawn")
+    sys.path.insert(0, os.path.join(benchlib.ROOT, "tests", "python"))
+    from ranks import free_port  # the tests' helper: a loopback port nothing listens on
+
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, a, port, a.socket, out_dir)) for r in range(world)]
     for p in procs:

@@ -165,9 +165,9 @@ def _tsd(model: Any, a: argparse.Namespace, world: int, device: str, socket: Opt
     # the fp32 masters from it and leaves bf16 working copies (the fp32 copy is gone before the steps).
     model = model.to(device)
     options: dict[str, Any] = {"param_dtype": torch.bfloat16} if a.weights == "bf16" else {}
-    if getattr(a, "overlap", False):
+    if a.overlap:
         options["overlap_forward"] = True
-    if getattr(a, "gpu_fraction", 0.0):
+    if a.gpu_fraction:
         options["optimizer_gpu_fraction"] = a.gpu_fraction
     opt: Any = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     # One rank alone is a single trainer (distributed=True needs a group of more than one).

@@ -51,7 +51,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
@@ -200,8 +200,10 @@ def run_key(recs: Any) -> tuple[str, str]:
     return (max((r.get("time_utc") or "") for r in recs), recs[0]["run_id"])
 
 
-def select_run(block: Block, records: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
-    """The records of the run the block shows (empty if none matches)."""
+def select_run(block: Block, records: list[dict[str, Any]], modes: list[str],
+               eligible: Optional[Callable[[list[dict[str, Any]]], bool]] = None) -> list[dict[str, Any]]:
+    """The records of the run the block shows (empty if none matches): `run=`, else the newest
+    matching run that holds every mode of `modes` (and that `eligible` accepts, when given)."""
     bench = block.get("benchmark") or ""
     cand = [r for r in records if matches(r, bench, block.filters())]
     run = block.get("run", "latest")
@@ -210,7 +212,8 @@ def select_run(block: Block, records: list[dict[str, Any]], modes: list[str]) ->
         by_run.setdefault(r["run_id"], []).append(r)
     if run != "latest":
         return sorted(by_run.get(run or "", []), key=lambda r: r["order"])
-    runs = [rs for rs in by_run.values() if not modes or set(modes) <= {r["mode"] for r in rs}]
+    runs = [rs for rs in by_run.values() if (not modes or set(modes) <= {r["mode"] for r in rs})
+            and (eligible is None or eligible(rs))]
     if not runs:
         return []
     return sorted(max(runs, key=run_key), key=lambda r: r["order"])
@@ -505,17 +508,9 @@ def gpu_count(rec: dict[str, Any]) -> Optional[int]:
 def scaling_run(block: Block, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records a scaling block shows: those of `run=`, else of the newest matching run that
     holds two or more GPU counts (a single-count run of the same workload is not a scaling run)."""
-    bench = block.get("benchmark") or ""
     want = [m for m in (block.get("modes") or "").split(",") if m]
-    by_run: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        if matches(r, bench, block.filters()) and (not want or r["mode"] in want) and gpu_count(r) is not None:
-            by_run.setdefault(r["run_id"], []).append(r)
-    run = block.get("run")
-    if run:
-        return sorted(by_run.get(run, []), key=lambda r: r["order"])
-    runs = [rs for rs in by_run.values() if len({gpu_count(r) for r in rs}) >= 2]
-    return sorted(max(runs, key=run_key), key=lambda r: r["order"]) if runs else []
+    shown = [r for r in records if (not want or r["mode"] in want) and gpu_count(r) is not None]
+    return select_run(block, shown, [], eligible=lambda rs: len({gpu_count(r) for r in rs}) >= 2)
 
 
 def render_scaling(block: Block, records: list[dict[str, Any]], img_dir: str, plots: list[Plot]) -> str:
@@ -578,8 +573,8 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(r)
             continue
         own = (v.get("gpu_forward_ms", 0.0) + v.get("gpu_backward_ms", 0.0)) / 1e3
-        host_s = v["host_bytes_per_step"] / (float(bw) * 1e9)
-        bound = stream.bound_s(stock_s if stock_s is not None else own, v["host_bytes_per_step"], float(bw))
+        host_s = stream.host_s(v["host_bytes_per_step"], float(bw))
+        bound = max(stock_s if stock_s is not None else own, host_s)
         extra = {"host_s": host_s, "bound_s": bound}
         if bound > 0 and isinstance(v.get("step_s_median"), (int, float)):
             extra["step_over_bound"] = v["step_s_median"] / bound

@@ -45,12 +45,17 @@ def bandwidth_gbs(stream: dict[str, Any]) -> float:
     return max(figures)
 
 
+def host_s(host_bytes_per_step: float, stream_gbs: float) -> float:
+    """The host's part of a step: its traffic at STREAM speed."""
+    if stream_gbs <= 0:
+        raise ValueError(f"STREAM bandwidth must be > 0 GB/s, not {stream_gbs}")
+    return host_bytes_per_step / (stream_gbs * 1e9)
+
+
 def bound_s(forward_backward_s: float, host_bytes_per_step: float, stream_gbs: float) -> float:
     """A step's bound: the GPU's forward and backward, or the host's traffic at STREAM speed,
     whichever is longer."""
-    if stream_gbs <= 0:
-        raise ValueError(f"STREAM bandwidth must be > 0 GB/s, not {stream_gbs}")
-    return max(forward_backward_s, host_bytes_per_step / (stream_gbs * 1e9))
+    return max(forward_backward_s, host_s(host_bytes_per_step, stream_gbs))
 
 
 def stock_gpu_s(stock_values: list[dict[str, Any]]) -> Optional[float]:
