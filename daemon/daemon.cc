@@ -1,11 +1,11 @@
 #include "daemon/daemon.h"
 
 #include <grp.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/jobs/registry.h"
+#include "daemon/memory/cpu_affinity.h"
 #include "daemon/memory/memlock.h"
 #include "daemon/memory/numa_topology.h"
 #include "daemon/ops/instance_lock.h"
@@ -113,13 +114,13 @@ std::optional<NumaTopology> LoadPlacementTopology(const Config& config) {
                  std::string(topology.status().message()));
     return std::nullopt;
   }
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) CPU_ZERO(&allowed);
+  // A CPU the kernel does not list as ours (none, if it does not say) leaves its node.
+  const std::vector<int> allowed = AllowedCpus();
   std::vector<NumaNode> nodes;
   int with_cpus = 0;
   for (NumaNode node : topology->nodes()) {
-    std::erase_if(node.cpus, [&](int c) { return c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed); });
+    std::erase_if(node.cpus,
+                  [&](int c) { return !std::binary_search(allowed.begin(), allowed.end(), c); });
     with_cpus += node.cpus.empty() ? 0 : 1;
     nodes.push_back(std::move(node));
   }
@@ -187,10 +188,7 @@ int RunDaemon(const Config& config) {
   options.max_regions_per_uid = budget.max_regions_per_uid;
   options.max_regions_per_job = budget.max_regions_per_job;
   int threads = config.optimizer_threads;
-  if (threads == 0) {
-    cpu_set_t allowed;
-    threads = sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
-  }
+  if (threads == 0) threads = AllowedCpuCount();
   // NUMA: with several nodes the workers are split by node (each node's CPUs the daemon may use)
   // and jobs are placed on their GPU's node; with one node, or none known, nothing changes.
   const std::optional<NumaTopology> numa = LoadPlacementTopology(config);

@@ -1,6 +1,5 @@
 #include "daemon/memory/populate.h"
 
-#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/memory/cpu_affinity.h"
 #include "proto/wire.h"
 
 #ifndef MADV_POPULATE_WRITE
@@ -54,9 +54,7 @@ bool PopulateWriteSupported() {
 }
 
 int PopulateThreads(uint64_t bytes) {
-  cpu_set_t set;
-  int cpus = 1;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = std::max(1, CPU_COUNT(&set));
+  const int cpus = AllowedCpuCount();
   const uint64_t wanted = std::max<uint64_t>(1, bytes / kBytesPerThread);
   return static_cast<int>(std::min<uint64_t>({wanted, static_cast<uint64_t>(cpus), kMaxThreads}));
 }

@@ -11,6 +11,8 @@
 #include <iterator>
 #include <latch>
 
+#include "daemon/memory/cpu_affinity.h"
+
 namespace tsd {
 
 namespace {
@@ -72,13 +74,7 @@ WorkerPool::WorkerPool(int threads, bool pin, int nice, const std::vector<NumaNo
     }
     threads = static_cast<int>(worker_nodes_.size());
   } else {
-    std::vector<int> cpus;
-    cpu_set_t allowed;
-    if (pin && sched_getaffinity(0, sizeof(allowed), &allowed) == 0) {
-      for (int c = 0; c < CPU_SETSIZE; ++c) {
-        if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-      }
-    }
+    const std::vector<int> cpus = pin ? AllowedCpus() : std::vector<int>{};
     for (int i = 0; i < threads; ++i) {
       worker_nodes_.push_back(-1);
       affinity.push_back(cpus.empty()

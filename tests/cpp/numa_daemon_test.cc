@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "allowed_cpus.h"
+#include "daemon/memory/cpu_affinity.h"
 #include "daemon_process.h"
 #include "tsd/client.h"
 #include "tsd/optimizer.h"
@@ -103,7 +103,7 @@ int NodeOf(tsd::Client& c, const std::string& job) {
 }
 
 TEST(NumaDaemon, AJobIsPlacedOnItsGpusNode) {
-  const std::vector<int> cpus = tsd::testing::AllowedCpus();
+  const std::vector<int> cpus = tsd::AllowedCpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs";
   const std::string sysfs = MakeFakeSysfs(cpus[0], cpus[1]);
   auto d = DaemonProcess::Start(

@@ -8,6 +8,7 @@
 
 #include <linux/mempolicy.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -21,9 +22,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "allowed_cpus.h"
-
 #include "daemon/jobs/registry.h"
+#include "daemon/memory/cpu_affinity.h"
 #include "daemon/memory/numa_memory.h"
 #include "daemon/memory/numa_topology.h"
 #include "daemon/memory/region.h"
@@ -231,6 +231,24 @@ TEST(NumaTopology, TheRealSysfsParses) {
   }
 }
 
+// AllowedCpus reads this thread's affinity, which a taskset or cpuset narrows: the workers'
+// count, the populate threads and NUMA placement all size themselves by it.
+TEST(CpuAffinity, FollowsTheThreadsMask) {
+  const std::vector<int> all = AllowedCpus();
+  ASSERT_FALSE(all.empty());
+  EXPECT_TRUE(std::is_sorted(all.begin(), all.end()));
+  EXPECT_EQ(AllowedCpuCount(), static_cast<int>(all.size()));
+  std::thread([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(all.back(), &one);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+    EXPECT_THAT(AllowedCpus(), ElementsAre(all.back()));
+    EXPECT_EQ(AllowedCpuCount(), 1);
+  }).join();
+  EXPECT_EQ(AllowedCpus(), all);  // another thread's mask is its own
+}
+
 TEST(WorkerPoolNuma, SplitsWorkersByNodeInProportionToCpus) {
   // The CPU ids need not exist for the split (affinity to absent CPUs is refused and ignored).
   WorkerPool pool(8, false, 0, {{0, {0, 1, 2, 3, 4, 5}}, {1, {6, 7}}});
@@ -249,7 +267,7 @@ TEST(WorkerPoolNuma, SplitsWorkersByNodeInProportionToCpus) {
 }
 
 TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
-  const std::vector<int> cpus = tsd::testing::AllowedCpus();
+  const std::vector<int> cpus = tsd::AllowedCpus();
   if (cpus.size() < 2) GTEST_SKIP() << "needs two CPUs";
   const int a = cpus[0], b = cpus[1];
   WorkerPool pool(4, false, 0, {{0, {a}}, {1, {b}}});
@@ -261,13 +279,13 @@ TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
   for (int i = 0; i < 40; ++i) {
     t1.push_back([&] {
       std::lock_guard<std::mutex> l(mu);
-      seen_node1.push_back(tsd::testing::AllowedCpus());
+      seen_node1.push_back(tsd::AllowedCpus());
       --left;
     });
     t_any.push_back([&] {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
       std::lock_guard<std::mutex> l(mu);
-      seen_any.push_back(tsd::testing::AllowedCpus());
+      seen_any.push_back(tsd::AllowedCpus());
       --left;
     });
   }
@@ -289,12 +307,12 @@ TEST(WorkerPoolNuma, ANodesQueueRunsOnlyOnThatNodesCpus) {
   // The dispatcher's pinning: the calling thread confined to node 1's CPUs, then back.
   std::thread([&] {
     pool.PinCurrentThreadToNode(1);
-    EXPECT_THAT(tsd::testing::AllowedCpus(), ElementsAre(b));
+    EXPECT_THAT(tsd::AllowedCpus(), ElementsAre(b));
   }).join();
   std::thread([&] {
-    const std::vector<int> before = tsd::testing::AllowedCpus();
+    const std::vector<int> before = tsd::AllowedCpus();
     pool.PinCurrentThreadToNode(7);  // not served: unchanged
-    EXPECT_EQ(tsd::testing::AllowedCpus(), before);
+    EXPECT_EQ(tsd::AllowedCpus(), before);
   }).join();
 }
 
