@@ -2,7 +2,7 @@
 
 Without this, `optimizer.step()` waits for the daemon to update every bucket and copies every
 updated parameter back before it returns, so the next forward starts only once the whole optimizer
-step is done. With it (`wrap(overlap_forward=True)`, the default):
+step is done. With it (`wrap(overlap_forward=True)`; off by default):
 
 * `ForwardOrder` watches the first step's forward: which trainable parameter is used first (by a
   torch function, seen through a `TorchFunctionMode`) and inside which module's forward. That
