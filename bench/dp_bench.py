@@ -395,12 +395,7 @@ def continued_order(paths: list[str], run_id: str) -> int:
     """The `order` the next record of run `run_id` takes: after its records in the results files
     `paths` (the run's own results file, and bench/results/dp.jsonl where the records of an earlier
     command on another machine were appended). Exits with a message if none holds the run."""
-    have = [r["order"] for path in dict.fromkeys(os.path.abspath(p) for p in paths) if os.path.exists(path)
-            for r in benchlib.read_results(path) if r["run_id"] == run_id]
-    if not have:
-        raise SystemExit(f"dp_bench: --run-id {run_id}: no record of that run in {' or '.join(paths)} to continue "
-                         f"(append the earlier command's records to one of them first)")
-    return max(have) + 1
+    return max(r["order"] for r in benchlib.run_records(paths, run_id, "dp_bench")) + 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

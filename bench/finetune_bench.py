@@ -43,7 +43,10 @@ is a small plain-torch model (bench/tiny_lm.py) for a CPU run (`--device cpu`, t
         [--cap-gib N] [--socket PATH | --pool-size 96GiB --daemon-args "..."] [--peers DIR] [--results FILE]
 
 --repeats N runs every mode N times, interleaved (A B C A B C ...), so a ratio can be the median of
-N runs; --once names modes run only in the first round. A peer that is not installed (or a mode
+N runs; --once names modes run only in the first round. --run-id RUN_ID (or last) continues a run
+begun by an earlier command, whose records are in --results or --prior (one interleaved run split
+over calls to the GPU machine): the new rounds are numbered after its rounds, and STREAM and the
+--once modes are not run again. A peer that is not installed (or a mode
 that needs a GPU on --device cpu) is recorded as skipped with the reason. Without --socket it starts
 build/bin/tsd (--tsd-bin) on a private socket with --pool-size. Each measured run becomes one record:
 step times (median of steps 3+), peak VRAM from torch (max_memory_allocated) and for the whole
@@ -297,6 +300,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--daemon-args", default="", help="more arguments for the tsd this script starts")
     ap.add_argument("--peers", default=None, help="the folder of peers.py and offload_peers.py (or peers.py itself)")
     ap.add_argument("--results", default=None, help="results file (default bench/results/finetune.jsonl)")
+    ap.add_argument("--run-id", default=None,
+                    help="continue run RUN_ID (or last: the newest run of --prior) instead of starting one: its "
+                         "records are read from the results file and --prior, this command's rounds are numbered "
+                         "after its rounds, and neither STREAM nor the --once modes run again (one interleaved run "
+                         "split over calls; pass the same workload)")
+    ap.add_argument("--prior", default=os.path.join(benchlib.RESULTS_DIR, "finetune.jsonl"),
+                    help="with --run-id: another results file holding the run's earlier records "
+                         "(default bench/results/finetune.jsonl)")
     ap.add_argument("--sample-interval", type=float, default=0.5, help="seconds between memory samples (default 0.5)")
     ap.add_argument("--loader-workers", type=int, default=0,
                     help="tsd modes: feed the random tokens through a torch DataLoader with N worker processes "
@@ -334,6 +345,22 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return a
 
 
+def continue_run(a: argparse.Namespace, rec: benchlib.Recorder) -> list[dict[str, Any]]:
+    """--run-id: the run's earlier records (from the results file and --prior); `rec` takes the
+    run's id and the order after them. Exits if the run measured another workload."""
+    prior = benchlib.run_records([rec.path, a.prior], a.run_id, "finetune_bench")
+    rec.run_id = prior[0]["run_id"]
+    rec.order = 1 + max(r["order"] for r in prior)
+    keys = ("arch", "batch", "seq", "steps", "clip", "device")
+    theirs = next((r["workload"] for r in prior if r["mode"] != "stream" and r["workload"].get("arch")), None)
+    ours = {"arch": a.arch, "batch": a.batch, "seq": a.seq, "steps": a.steps, "clip": a.clip, "device": a.device}
+    if theirs is not None and any(theirs.get(k) != ours[k] for k in keys):
+        raise SystemExit(f"finetune_bench: --run-id {rec.run_id} measured " + ", ".join(
+            f"{k} {theirs.get(k)}" for k in keys) + "; this command would measure " + ", ".join(
+            f"{k} {ours[k]}" for k in keys) + ": pass the same workload, or start a run without --run-id")
+    return prior
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--run-capped" and argv is None:
         run_capped()
@@ -351,6 +378,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     rec = benchlib.Recorder("finetune", a.results, command=benchlib.command_line(
         [os.path.relpath(os.path.abspath(sys.argv[0]), os.getcwd()), *(sys.argv[1:] if argv is None else argv)]))
+    prior = continue_run(a, rec) if a.run_id else []
+    first_round = 1 + max((r["repeat"] for r in prior), default=-1)
     skips = {m: skip_reason(base_mode(m), a) for m in a.modes_list}
     nvml = benchlib.Nvml.open() if a.device == "cuda" else None
     gpu = benchlib.Nvml.index_for_visible()
@@ -366,8 +395,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # What tsd lends before any mode runs (other jobs, with --socket): the level a mode's job leaves it at.
         idle_used = client.status().used_bytes if client is not None else 0
         want_stream = a.stream == "on" or (a.stream == "auto" and a.device == "cuda")
-        measured_stream = measure_stream(a, rec) if client is not None and want_stream else None
-        for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set):
+        if prior:  # the run's own STREAM, measured by the command that began it
+            measured_stream = next((r["values"] for r in prior if r["mode"] == "stream" and r["status"] == "ok"), None)
+        else:
+            measured_stream = measure_stream(a, rec) if client is not None and want_stream else None
+        for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set, first_round):
             if skips[mode] is not None:
                 if repeat == 0:
                     rec.record(mode, workload(mode, a, {}), {}, status="skipped", reason=skips[mode], repeat=repeat)
@@ -397,14 +429,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(30)
-    records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
+    records = list({r["order"]: r for r in prior + [r for r in benchlib.read_results(rec.path)
+                                                     if r["run_id"] == rec.run_id]}.values())
     peers = ("fsdp2_offload", "ds_offload", "torchao_offload", "stock", "lora_stock", "bnb_qlora", "lora_torch")
     ratios = [f"step:{m}" for m in peers if m in a.modes_list]
     ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
         a.modes_list)], "cols": ["step,vram,vram_device,host,host_bound,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
-          f"{a.repeats} round(s); recorded in {os.path.relpath(rec.path)}\n")
+          f"{first_round + a.repeats} round(s); run {rec.run_id}, recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))
     if measured_stream:
         for line in bound_lines(records, measured_stream):

@@ -30,10 +30,12 @@ DTYPES = {"tsd": "fp32 weights, bf16 autocast", "tsd_bf16": "bf16 weights, fp32 
 TINY = "tiny"
 
 
-def schedule(modes: list[str], repeats: int, once: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+def schedule(modes: list[str], repeats: int, once: frozenset[str] = frozenset(),
+             first: int = 0) -> list[tuple[int, str]]:
     """The order of the runs: every mode in every round, interleaved (A B C A B C ...); the modes
-    in `once` only in the first round."""
-    return [(r, m) for r in range(repeats) for m in modes if r == 0 or m not in once]
+    in `once` only in the first round. Rounds are numbered from `first` (a continued run's rounds
+    follow its earlier ones, which had the first round)."""
+    return [(r, m) for r in range(first, first + repeats) for m in modes if r == 0 or m not in once]
 
 
 def skip_reason(mode: str, a: argparse.Namespace) -> Optional[str]:

@@ -133,6 +133,8 @@ def test_finetune_runs_modes_interleaved():
     assert finetune_bench.schedule(["a", "b", "c"], 3, frozenset({"c"})) == [
         (0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (2, "a"), (2, "b")]
     assert finetune_bench.schedule(["a"], 1) == [(0, "a")]
+    # A continued run's rounds follow the earlier ones; the --once modes ran in its first round.
+    assert finetune_bench.schedule(["a", "c"], 2, frozenset({"c"}), first=1) == [(1, "a"), (2, "a")]
 
 
 def test_bad_results_and_markers_are_refused_with_what_to_fix(tmp_path):
@@ -229,6 +231,20 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert skipped["mode"] == "stock" and skipped["status"] == "skipped" and "needs a GPU" in skipped["reason"]
     assert ok["run_id"] == skipped["run_id"] and (ok["order"], skipped["order"]) == (0, 1)
     assert "| `tsd`" in out.stdout  # the run's table, printed at the end
+    # --run-id continues the run (another call to the GPU machine): its order and rounds go on, and
+    # the table at the end shows every round; a different workload is refused before anything runs.
+    more = cmd[:cmd.index("--save-restore")]
+    more[more.index("tsd,stock")] = "tsd"
+    again = subprocess.run(more + ["--run-id", "last", "--prior", str(results)], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    *_, cont = benchlib.read_results(str(results))
+    assert (cont["run_id"], cont["order"], cont["repeat"], cont["status"]) == (ok["run_id"], 2, 1, "ok")
+    assert f"2 round(s); run {ok['run_id']}" in again.stdout
+    other = subprocess.run(more + ["--run-id", ok["run_id"], "--batch", "4"], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    assert other.returncode != 0 and "measured arch tiny, batch 2" in other.stderr and "batch 4" in other.stderr
+    assert len(benchlib.read_results(str(results))) == 3
 
 
 def test_peer_output_becomes_values_and_a_missing_package_a_skip():
