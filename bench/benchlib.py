@@ -427,12 +427,10 @@ def run_records(paths: list[str], run_id: str, tool: str) -> list[dict[str, Any]
     the rounds of an interleaved run split over calls to the GPU machine. `run_id` "last" is the
     newest run of the first file that has one. Exits with a message naming the files if none holds
     the run (`tool` names the command in it)."""
-    files = [p for p in dict.fromkeys(os.path.abspath(p) for p in paths) if os.path.exists(p)]
-    every = [r for path in files for r in read_results(path)]
+    per_file = [read_results(p) for p in dict.fromkeys(os.path.abspath(p) for p in paths) if os.path.exists(p)]
     if run_id == "last":
-        first = next((read_results(p) for p in files if read_results(p)), [])
-        run_id = first[-1]["run_id"] if first else ""
-    have = [r for r in every if r["run_id"] == run_id]
+        run_id = next((recs[-1]["run_id"] for recs in per_file if recs), "")
+    have = [r for recs in per_file for r in recs if r["run_id"] == run_id]
     if not have:
         raise SystemExit(f"{tool}: --run-id {run_id or 'last'}: no record of that run in {' or '.join(paths)} to "
                          f"continue (append the earlier command's records to one of them first)")

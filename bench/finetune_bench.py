@@ -429,8 +429,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(30)
-    records = list({r["order"]: r for r in prior + [r for r in benchlib.read_results(rec.path)
-                                                     if r["run_id"] == rec.run_id]}.values())
+    if prior:  # the run's records from both files, each once
+        records = benchlib.run_records([rec.path, a.prior], rec.run_id, "finetune_bench")
+    else:
+        records = [r for r in benchlib.read_results(rec.path) if r["run_id"] == rec.run_id]
     peers = ("fsdp2_offload", "ds_offload", "torchao_offload", "stock", "lora_stock", "bnb_qlora", "lora_torch")
     ratios = [f"step:{m}" for m in peers if m in a.modes_list]
     ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]

@@ -9,7 +9,8 @@
 namespace tsd {
 
 // The CPU numbers this thread may run on, ascending. Empty when the kernel does not say (a failed
-// sched_getaffinity); callers then treat every CPU as allowed.
+// sched_getaffinity): the workers are then not pinned, and NUMA placement finds no node's CPUs
+// usable and stays off.
 std::vector<int> AllowedCpus();
 
 // How many CPUs this thread may run on; 1 when the kernel does not say.
