@@ -13,7 +13,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Trainer, TrainingArguments  # noqa: E402
+from transformers import (AutoModelForCausalLM, LlamaConfig, Qwen2Config, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments)
 
 import trainstream  # noqa: E402
 from trainstream.integrations.huggingface import TrainStreamMixin, TrainStreamTrainer  # noqa: E402
@@ -279,3 +280,66 @@ def test_refuses_options_that_come_from_the_args(tmp_path, checkpoints):
     refused(tmp_path, checkpoints, "gradient_accumulation_steps=", ValueError,
             trainstream_opts={"accumulation_steps": 2})
     refused(tmp_path, checkpoints, "unknown options", TypeError, trainstream_opts={"moments": "bf16"})
+
+
+def test_overlap_forward_is_bit_identical_with_eval_and_checkpoints(tsd, tmp_path, checkpoints):
+    """overlap_forward=True under the Trainer (step() returns before tsd's updates are copied back;
+    each module's forward waits for its own): evaluation at every step, a checkpoint at step 3 (the
+    model's safetensors and tsd's state) and the logged grad norms are bit for bit those of the
+    waiting step, and so are the final weights."""
+    from safetensors.torch import load_file
+    path = checkpoints["qwen2"]
+    data = {"train_dataset": TokenDataset(), "eval_dataset": TokenDataset(4)}
+    kw = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=3)
+    runs = {}
+    for overlap in (False, True):
+        model = load(path)
+        t = run_ts(tsd, model, targs(tmp_path / str(overlap), **kw), data=data, overlap_forward=overlap)
+        evals = [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+        ckpt = tmp_path / str(overlap) / "checkpoint-3"
+        runs[overlap] = (losses(t), grad_norms(t), evals, load_file(str(ckpt / "model.safetensors")),
+                         (ckpt / STATE_FILE).read_bytes(), model)
+    (l0, g0, e0, s0, st0, m0), (l1, g1, e1, s1, st1, m1) = runs[False], runs[True]
+    assert len(l1) == 6 and len(e1) == 6
+    assert l1 == l0 and g1 == g0 and e1 == e0
+    assert s1.keys() == s0.keys() and all(torch.equal(s1[k], s0[k]) for k in s0)
+    assert st1 == st0
+    assert max_diff(m0, m1) == 0.0
+
+
+class ReadsWeights(TrainerCallback):
+    """A callback of the user's that reads a weight directly after each step (as an EMA would)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.seen.append(model.lm_head.weight.detach().cpu().clone())
+
+
+def test_overlap_forward_is_the_default_unless_a_foreign_callback_could_read_weights(tsd, tmp_path, checkpoints):
+    """The Trainer turns overlap_forward on by default; a callback from another package turns it
+    off (with an event saying why and how to turn it back on), so the weights it reads after each
+    step are the updated ones, those of the stock Trainer; trainstream={'overlap_forward': ...}
+    decides either way."""
+    path = checkpoints["qwen2"]
+    plain = run_ts(tsd, load(path), targs(tmp_path / "plain", max_steps=2))
+    assert any(e.startswith("overlap_forward:") and "finish during the next" in e for e in plain.tsd_events)
+    ref_cb, cb = ReadsWeights(), ReadsWeights()
+    ref = Trainer(model=load(path), args=targs(tmp_path / "ref", max_steps=3), train_dataset=TokenDataset(),
+                  callbacks=[ref_cb])
+    ref.train()
+    model = load(path)
+    trainer = TrainStreamTrainer(model=model, args=targs(tmp_path / "cb", max_steps=3), train_dataset=TokenDataset(),
+                                 callbacks=[cb], trainstream={"socket": tsd.socket})
+    try:
+        trainer.train()
+        events = list(trainer.trainstream_session.events)
+    finally:
+        trainstream.unwrap(model)
+    assert any("overlap_forward: off" in e and "ReadsWeights" in e for e in events)
+    assert not any("finish during the next" in e for e in events)
+    assert len(cb.seen) == 3 and all((a - b).abs().max() < 1e-5 for a, b in zip(cb.seen, ref_cb.seen))
+    assert not torch.equal(cb.seen[0], cb.seen[1])  # each step's update, not a stale weight
+    forced = run_ts(tsd, load(path), targs(tmp_path / "forced", max_steps=2, logging_steps=5), overlap_forward=True)
+    assert any("finish during the next" in e for e in forced.tsd_events)

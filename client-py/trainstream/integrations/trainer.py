@@ -21,6 +21,10 @@ with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, 
   `trainstream_optimizer.safetensors`, a file the trainer opened in the checkpoint directory, next
   to `trainstream_optimizer.json` (the hyperparameters and the layout); `resume_from_checkpoint`
   streams it back. A stock Trainer checkpoint (`optimizer.pt`) is loaded too.
+* `overlap_forward` is on by default: step() returns once the updates are handed to tsd and each
+  module's next forward waits for its own. A callback from another package could read a parameter
+  directly between steps, before its update is copied in, so with one registered it is off (an
+  event says so) unless `trainstream={"overlap_forward": ...}` decides.
 * tsd's events (`Session.events`: the plan, the moment dtype, activation paging, the switch to
   stock AdamW) go into Trainer's logs under the key "trainstream".
 * Weight paging (`param_offload`: "auto" by default, or True, a fraction, block indices): a
@@ -272,6 +276,9 @@ class TrainStreamMixin(_Base):
                                 f"TrainStreamTrainer runs torch.optim.AdamW without amsgrad in tsd")
         # The Trainer's default is offload=True: checkpoints and grad_norm are then always tsd's.
         self.trainstream_options: dict[str, Any] = {"offload": True, **options}
+        # overlap_forward: on unless given, or unless a callback of another package could read
+        # parameters between steps (_overlap_forward).
+        self._tsd_overlap_given = "overlap_forward" in options
         self._tsd_events_logged = 0
 
     # ---- placement: with weight paging, wrap() places the model
@@ -338,13 +345,30 @@ class TrainStreamMixin(_Base):
         opts = dict(self.trainstream_options)
         opts["max_grad_norm"] = float(self.args.max_grad_norm or 0.0) or None
         opts["accumulation_steps"] = int(self.args.gradient_accumulation_steps)
+        foreign = [] if self._tsd_overlap_given else self._foreign_callbacks()
+        if not self._tsd_overlap_given:
+            opts["overlap_forward"] = not foreign
         device = self.args.device
         _, wrapped = wrap(self._trained_model(), inner, device=device, **opts)
+        if foreign:
+            session = unwrap_session(self._trained_model())
+            if session is not None:
+                session.events.append(
+                    f"overlap_forward: off, because callbacks of other packages ({', '.join(foreign)}) may read "
+                    f"parameters between optimizer steps, before tsd's updates are copied in; pass "
+                    f"trainstream={{'overlap_forward': True}} if they read them only through forward or state_dict()")
         if isinstance(holder, AcceleratedOptimizer):
             holder.optimizer = wrapped
         else:
             self.optimizer = wrapped
         self._tsd_events_logged = 0
+
+    def _foreign_callbacks(self) -> list[str]:
+        """The registered callbacks that are not transformers' own (its flow, progress, printer,
+        early-stopping and reporting callbacks read metrics, never parameters). Any other may read a
+        parameter directly between steps, which overlap_forward would give it before the update."""
+        return sorted({type(cb).__name__ for cb in self.callback_handler.callbacks
+                       if not type(cb).__module__.startswith("transformers.")})
 
     def _trained_model(self) -> nn.Module:
         if self.model is None:
