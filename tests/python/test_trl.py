@@ -81,8 +81,8 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("lora", [False, True])
 def test_sft_losses_equal_stock_sfttrainer(tsd, tmp_path, checkpoint, tokenizer, lora, device):
-    """6 steps with clipping (0.1 bites) and 2-step accumulation: the same losses (within 2e-4),
-    grad norms and weights as trl.SFTTrainer; with peft_config= only the adapters are in tsd. On
+    """6 steps with clipping (0.1 bites) and 2-step accumulation, overlap_forward on (the Trainer's
+    default): the same losses (within 2e-4), grad norms and weights as trl.SFTTrainer; with peft_config= only the adapters are in tsd. On
     CUDA the model is passed on the CPU and the Trainer moves it (both runs)."""
     extra = {}
     if lora:
@@ -102,6 +102,8 @@ def test_sft_losses_equal_stock_sfttrainer(tsd, tmp_path, checkpoint, tokenizer,
         assert next(ts.model.parameters()).device.type == device
         trained = {id(ps.param) for ps in ts.trainstream_session.params}
         names = {n for n, p in ts.model.named_parameters() if id(p) in trained}
+        # SFTTrainer registers no callback of its own: the updates overlapped the next forward
+        assert any("finish during the next forward" in e for e in ts.trainstream_session.events)
     finally:
         if trainstream.unwrap_session(ts.model) is not None:
             trainstream.unwrap(ts.model)
