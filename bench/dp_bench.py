@@ -16,7 +16,9 @@ Where the ranks run:
 
 Figures per run (one record per mode and GPU count, through bench/benchlib.py into `--results`):
 rank 0's median step time after the first two steps (`step_s`), tokens per second (batch x seq
-x ranks / step), every rank's torch peak (`vram_torch_peak_gib_per_rank`), the whole-device
+x ranks / step), rank 0's breakdown as finetune_bench's (`gpu_forward_ms`, `gpu_backward_ms`: GPU
+time between CUDA events, wall time on the CPU; `step_wait_ms`: the wall time from backward's
+return to the step's end, the optimizer with what it waits for), every rank's torch peak (`vram_torch_peak_gib_per_rank`), the whole-device
 peak of every GPU used (NVML, less what it held before the run; `vram_device_peak_gib` is the
 largest), and the node's host memory: the peak of the ranks' PSS plus tsd's (shared memory
 counted once), sampled from outside every `--sample-interval` s. The `*_steps_peak_gib` figures
@@ -126,6 +128,7 @@ def rank_main(rank: int, a: argparse.Namespace, port: int, socket: Optional[str]
         torch.cuda.empty_cache()  # setup's cached blocks are not the steps' memory
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
+    marks = dp_modes.Marks(cuda)
     dist.barrier()
     if rank == 0 and a.phase_file:
         open(a.phase_file, "w").close()
@@ -133,16 +136,22 @@ def rank_main(rank: int, a: argparse.Namespace, port: int, socket: Optional[str]
         dist.barrier()
         sync()
         t = time.perf_counter()
-        loss = step(ids)
+        marks.start()
+        loss = step(ids, marks)
         sync()
         times.append(time.perf_counter() - t)
+        marks.end()
         losses.append(float(loss.detach()))
     dist.barrier()
     if rank == 0 and a.phase_file and os.path.exists(a.phase_file):
         os.unlink(a.phase_file)
-    settled = sorted(times[2:]) or sorted(times)
+    def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count), as the step time
+        tail = sorted(xs[2:]) or sorted(xs)
+        return tail[len(tail) // 2]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(dict(rank=rank, params=nparams, step_s_median=settled[len(settled) // 2], steps=times,
+        json.dump(dict(rank=rank, params=nparams, step_s_median=med(times), steps=times,
+                       gpu_forward_ms=med(marks.fwd_ms), gpu_backward_ms=med(marks.bwd_ms),
+                       step_rest_ms=med(marks.rest_ms),
                        losses=losses, setup_s=setup_s,
                        torch_peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                        events=dp_modes.events(a.mode, handle)), f)
@@ -190,6 +199,8 @@ def launch(a: argparse.Namespace) -> None:
                                  torch_peak_gib_per_rank=[r["torch_peak_gib"] for r in ranks],
                                  step_s_median_per_rank=[r["step_s_median"] for r in ranks],
                                  last_loss_per_rank=[r["losses"][-1] for r in ranks],
+                                 gpu_forward_ms=first["gpu_forward_ms"], gpu_backward_ms=first["gpu_backward_ms"],
+                                 step_rest_ms=first["step_rest_ms"],
                                  events=first.get("events", []))), flush=True)
 
 
@@ -338,7 +349,9 @@ def values_of(run: benchlib.ChildRun, raw: dict[str, Any], a: argparse.Namespace
                              tokens_per_s=a.batch * a.seq * ranks / step if step > 0 else None,
                              peak_vram_gib=raw["peak_vram_gib"], first_loss=raw["losses"][0],
                              last_loss=raw["losses"][-1], setup_s=raw["setup_s"], params=raw["params"],
-                             step_s_median_per_rank=raw["step_s_median_per_rank"])
+                             step_s_median_per_rank=raw["step_s_median_per_rank"],
+                             gpu_forward_ms=raw["gpu_forward_ms"], gpu_backward_ms=raw["gpu_backward_ms"],
+                             step_wait_ms=raw["step_rest_ms"])
     if torch_peaks:
         v.update(vram_torch_peak_gib=max(torch_peaks), vram_torch_peak_gib_per_rank=torch_peaks)
     return v

@@ -16,13 +16,15 @@ step on the model `dp_bench.py` built (the same weights, seed 0, on the CPU) and
 
 Every mode trains with AdamW (lr 1e-5, weight decay 0.01, fp32 moments) and clips by the global
 gradient norm at `--clip` (0: off). A setup returns the rank's step: a function of the rank's
-token ids that runs forward, backward and the optimizer and returns the loss.
+token ids and a `Marks` that runs forward, backward and the optimizer, marks where forward and
+backward end, and returns the loss.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import time
 from typing import Any, Callable, Optional
 
 MODES = ("tsd_dp", "torchao_dp", "ds_offload_dp", "fsdp2_offload_dp", "fsdp2_dp")
@@ -38,7 +40,51 @@ PRECISION = {
     "fsdp2_dp": "fp32 sharded weights, gradients and moments on the GPU, bf16 compute (MixedPrecisionPolicy)",
 }
 LR, WEIGHT_DECAY = 1e-5, 0.01
-Step = Callable[[Any], Any]
+
+
+class Marks:
+    """Where one rank's steps spend their time, as finetune_bench breaks a step down: the forward
+    and the backward (GPU time between CUDA events on a GPU, wall time on the CPU, which runs them
+    synchronously) and the rest of the step (wall time from backward's return to the step's end:
+    gradient reduction left over, clipping, the optimizer, and for tsd the wait in step()). A mode's
+    step calls `marks("fwd")` when forward returns and `marks("bwd")` when backward does."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+        self._cuda = cuda
+        self._ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
+        self._t: dict[str, float] = {}
+        self.fwd_ms: list[float] = []
+        self.bwd_ms: list[float] = []
+        self.rest_ms: list[float] = []
+
+    def _at(self, name: str, i: int) -> None:
+        self._t[name] = time.perf_counter()
+        if self._cuda:
+            self._ev[i].record()
+
+    def start(self) -> None:
+        self._t.clear()
+        self._at("start", 0)
+
+    def __call__(self, name: str) -> None:
+        self._at(name, {"fwd": 1, "bwd": 2}[name])
+
+    def end(self) -> None:
+        """After the step (the device synchronized): keeps its three spans."""
+        t = self._t
+        if not {"start", "fwd", "bwd"} <= set(t):
+            raise RuntimeError(f"a step marked {sorted(t)}; every mode marks 'fwd' and 'bwd'")
+        self.rest_ms.append((time.perf_counter() - t["bwd"]) * 1e3)
+        if self._cuda:
+            self.fwd_ms.append(self._ev[0].elapsed_time(self._ev[1]))
+            self.bwd_ms.append(self._ev[1].elapsed_time(self._ev[2]))
+        else:
+            self.fwd_ms.append((t["fwd"] - t["start"]) * 1e3)
+            self.bwd_ms.append((t["bwd"] - t["fwd"]) * 1e3)
+
+
+Step = Callable[[Any, Marks], Any]
 
 
 def precision(mode: str, weights: str) -> str:
@@ -175,10 +221,12 @@ def _tsd(model: Any, a: argparse.Namespace, world: int, device: str, socket: Opt
                                   moment_dtype="float32", max_grad_norm=a.clip or None, **options)
     autocast = "cuda" if device.startswith("cuda") else "cpu"
 
-    def step(ids: Any) -> Any:
+    def step(ids: Any, marks: Marks) -> Any:
         with torch.autocast(autocast, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
+        marks("fwd")
         loss.backward()
+        marks("bwd")
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -194,10 +242,12 @@ def _torchao(model: Any, a: argparse.Namespace, world: int) -> tuple[Step, Any]:
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     host = list(opt.param_d2h_map.values())
 
-    def step(ids: Any) -> Any:
+    def step(ids: Any, marks: Marks) -> Any:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
+        marks("fwd")
         loss.backward()
+        marks("bwd")
         torch.cuda.synchronize()  # the hooks' gradient copies to the host are done
         if world > 1:
             average_host_grads(host, world)
@@ -219,9 +269,11 @@ def _deepspeed(model: Any, a: argparse.Namespace, rank: int, world: int) -> tupl
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(a.batch, world, a.clip))
 
-    def step(ids: Any) -> Any:
+    def step(ids: Any, marks: Marks) -> Any:
         loss = engine(input_ids=ids, labels=ids).loss
+        marks("fwd")
         engine.backward(loss)
+        marks("bwd")
         engine.step()
         return loss
 
@@ -241,9 +293,11 @@ def _fsdp2(model: Any, a: argparse.Namespace, world: int, device: str, offload: 
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)  # moves the shards to the device (or pins them)
     opt = adamw(list(model.parameters()), fused=True)
 
-    def step(ids: Any) -> Any:
+    def step(ids: Any, marks: Marks) -> Any:
         loss = model(input_ids=ids, labels=ids).loss
+        marks("fwd")
         loss.backward()
+        marks("bwd")
         if a.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()

@@ -48,6 +48,9 @@ def test_cpu_run_of_tsd_dp_and_fsdp2_dp_records_both_and_skips_deepspeed(tmp_pat
         assert v["step_s"] == v["step_s_median"] > 0 and len(v["step_s_all"]) == 3
         assert v["tokens_per_s"] == pytest.approx(2 * 16 * 2 / v["step_s"])
         assert len(v["step_s_median_per_rank"]) == 2 and v["params"] > 0
+        # The breakdown, as finetune_bench's: forward, backward, the rest of the step (the CPU's wall time)
+        parts = [v["gpu_forward_ms"], v["gpu_backward_ms"], v["step_wait_ms"]]
+        assert all(x > 0 for x in parts) and sum(parts) <= max(v["step_s_all"]) * 1e3 * 1.05
         assert v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0
         assert v["host_pss_peak_gib"] >= v["host_pss_steps_peak_gib"] > 0  # the steps window was sampled
         assert "vram_device_peak_gib" not in v and "vram_torch_peak_gib" not in v  # no GPU: no VRAM figure
@@ -235,11 +238,13 @@ def test_values_of_a_run_hold_every_ranks_peak_and_tokens_per_second():
     run = benchlib.ChildRun()
     run.rss_peak_bytes = 1 << 30
     raw = {"step_s_median": 2.0, "steps": [5.0, 2.1, 2.0], "losses": [12.0, 11.5, 11.0], "setup_s": 3.0, "params": 10,
-           "peak_vram_gib": 30.0, "torch_peak_gib_per_rank": [30.0, 31.0], "step_s_median_per_rank": [2.0, 2.01]}
+           "peak_vram_gib": 30.0, "torch_peak_gib_per_rank": [30.0, 31.0], "step_s_median_per_rank": [2.0, 2.01],
+           "gpu_forward_ms": 400.0, "gpu_backward_ms": 900.0, "step_rest_ms": 650.0}
     v = dp_bench.values_of(run, raw, SimpleNamespace(batch=4, seq=512), 2)
     assert v["tokens_per_s"] == 4 * 512 * 2 / 2.0 and v["step_s"] == v["step_s_median"] == 2.0
     assert v["vram_torch_peak_gib"] == 31.0 and v["vram_torch_peak_gib_per_rank"] == [30.0, 31.0]
     assert v["peak_vram_gib"] == 30.0 and v["first_loss"] == 12.0 and v["last_loss"] == 11.0
+    assert (v["gpu_forward_ms"], v["gpu_backward_ms"], v["step_wait_ms"]) == (400.0, 900.0, 650.0)
     benchlib.validate_record({"schema": 1, "benchmark": "dp", "run_id": "r", "order": 0, "repeat": 0, "mode": "tsd_dp",
                               "status": "ok", "workload": {}, "values": v, "host": {}, "command": "c",
                               "source": "measured"})
