@@ -341,5 +341,18 @@ def test_overlap_forward_is_the_default_unless_a_foreign_callback_could_read_wei
     assert not any("finish during the next" in e for e in events)
     assert len(cb.seen) == 3 and all((a - b).abs().max() < 1e-5 for a, b in zip(cb.seen, ref_cb.seen))
     assert not torch.equal(cb.seen[0], cb.seen[1])  # each step's update, not a stale weight
-    forced = run_ts(tsd, load(path), targs(tmp_path / "forced", max_steps=2, logging_steps=5), overlap_forward=True)
-    assert any("finish during the next" in e for e in forced.tsd_events)
+    # Forced on (no evaluation, no save): the weights read right after train() have the last step's
+    # updates (train() waits for them), bit for bit those of a run without overlap.
+    after = {}
+    for overlap in (True, False):
+        model = load(path)
+        t = TrainStreamTrainer(model=model, args=targs(tmp_path / f"forced{overlap}", max_steps=2, logging_steps=5),
+                               train_dataset=TokenDataset(), trainstream={"socket": tsd.socket, "overlap_forward": overlap})
+        try:
+            t.train()
+            after[overlap] = [p.detach().clone() for p in model.parameters()]
+            events = list(t.trainstream_session.events)
+        finally:
+            trainstream.unwrap(model)
+        assert any("finish during the next" in e for e in events) == overlap
+    assert all(torch.equal(a, b) for a, b in zip(after[True], after[False]))

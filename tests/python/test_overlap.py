@@ -38,15 +38,20 @@ def grad_norms(steps, accumulation, seed=0):
 
 
 def run(tsd, overlap, device="cpu", steps=10, accumulation=1, max_grad_norm=None, snapshot_at=None,
-        unwrap_after=None, model=None, loss_fn=loss_of, **wrap_kw):
+        unwrap_after=None, model=None, loss_fn=loss_of, compile=None, **wrap_kw):
     """Trains a small GPT (tied head and embedding, two groups, a scheduler stepped right after
     step()). Returns losses, final parameters, the norms tsd clipped by, and at step `snapshot_at`
-    the model's and the optimizer's state dicts read right after step()."""
+    the model's and the optimizer's state dicts read right after step(). `compile`: "before" or
+    "after" wrap(), model.compile()."""
     model = copy.deepcopy(model) if model is not None else make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
     wrap_kw.setdefault("offload", True)  # on CUDA, "auto" would hand a model this small to stock AdamW after 2 steps
+    if compile == "before":
+        model.compile()
     model, opt = trainstream.wrap(model, opt, device=device, socket=tsd.socket, max_grad_norm=max_grad_norm,
                                   accumulation_steps=accumulation, overlap_forward=overlap, **wrap_kw)
+    if compile == "after":
+        model.compile()
     session = trainstream.unwrap_session(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     data = [t.to(device) for t in batches(steps * accumulation)]
@@ -112,6 +117,26 @@ def test_overlap_is_bit_identical(tsd, device, accumulation, clip):
         for i in oa:
             for k in ("exp_avg", "exp_avg_sq", "master", "step"):
                 assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+
+
+def test_compiled_model_waits_for_its_updates(tsd):
+    """torch.compile, before wrap() or after: the first step runs eagerly (the forward order is
+    recorded), then each compiled forward calls the wait hooks (a graph break at each), also where
+    this process compiled the same model class earlier without them (the first run here: dynamo
+    does not guard on hooks). Graphs broken at the hooks fuse differently from the unbroken one,
+    so the comparison is to 1e-6, not bitwise; a forward that read weights before their update
+    would be a whole step behind."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    try:
+        off = run(tsd, False, steps=4, max_grad_norm=1e-3, compile="before")
+        for when in ("before", "after"):
+            on = run(tsd, True, steps=4, max_grad_norm=1e-3, compile=when)
+            assert max(on["pending"][1:]) > 0 and any("finish during the next forward" in e for e in on["events"])
+            assert on["losses"] == pytest.approx(off["losses"], rel=1e-6, abs=1e-6), when
+            assert max((x - y).abs().max().item() for x, y in zip(on["params"], off["params"])) < 1e-6, when
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("device", DEVICES)

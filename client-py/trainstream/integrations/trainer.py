@@ -24,7 +24,8 @@ with other Trainer subclasses (TRL's `SFTTrainer`: `class SFT(TrainStreamMixin, 
 * `overlap_forward` is on by default: step() returns once the updates are handed to tsd and each
   module's next forward waits for its own. A callback from another package could read a parameter
   directly between steps, before its update is copied in, so with one registered it is off (an
-  event says so) unless `trainstream={"overlap_forward": ...}` decides.
+  event says so) unless `trainstream={"overlap_forward": ...}` decides. `train()` waits for the
+  last step's updates before it returns.
 * tsd's events (`Session.events`: the plan, the moment dtype, activation paging, the switch to
   stock AdamW) go into Trainer's logs under the key "trainstream".
 * Weight paging (`param_offload`: "auto" by default, or True, a fraction, block indices): a
@@ -280,6 +281,16 @@ class TrainStreamMixin(_Base):
         # parameters between steps (_overlap_forward).
         self._tsd_overlap_given = "overlap_forward" in options
         self._tsd_events_logged = 0
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train(); then, with overlap_forward, waits for the last step's updates and copies
+        them into the model, so the weights read after training (directly, not only through
+        forward or a state dict) are the trained ones."""
+        out = super().train(*args, **kwargs)
+        opt = self._offloading()
+        if opt is not None:
+            opt.synchronize()
+        return out
 
     # ---- placement: with weight paging, wrap() places the model
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
