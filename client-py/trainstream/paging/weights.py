@@ -680,7 +680,12 @@ class WeightPager:
         self._handles.clear()
 
     def _add_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._model_pre))
+        # Under torch.compile the forward hooks run eagerly (compiler.disable: a graph break at each
+        # block), since they swap parameters' storage (`p.data = ...`), which a traced graph cannot
+        # hold; and dynamo's caches are reset, since code compiled before the hooks existed would not
+        # call them (it does not guard on module hooks).
+        torch._dynamo.reset()
+        self._handles.append(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre)))
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
             self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
@@ -701,6 +706,7 @@ class WeightPager:
             self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             backward = _in_backward()
             if backward:
@@ -716,6 +722,7 @@ class WeightPager:
         return hook
 
     def _post_hook(self, b: _Block) -> Callable[..., None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._ctx and self._ctx.pop():
                 torch._C._autograd._pop_saved_tensors_default_hooks()
