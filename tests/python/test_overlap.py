@@ -119,7 +119,8 @@ def test_overlap_is_bit_identical(tsd, device, accumulation, clip):
                 assert torch.equal(oa[i][k], ob[i][k]), (i, k)
 
 
-def test_compiled_model_waits_for_its_updates(tsd):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_waits_for_its_updates(tsd, device):
     """torch.compile, before wrap() or after: the first step runs eagerly (the forward order is
     recorded), then each compiled forward calls the wait hooks (a graph break at each), also where
     this process compiled the same model class earlier without them (the first run here: dynamo
@@ -130,10 +131,10 @@ def test_compiled_model_waits_for_its_updates(tsd):
     import torch._dynamo
     torch._dynamo.reset()
     try:
-        off = run(tsd, False, steps=4, max_grad_norm=1e-3, compile="before")
+        off = run(tsd, False, device, steps=4, max_grad_norm=1e-3, compile="before")
         for when, paged in (("before", False), ("after", False), ("after", True)):
             kw = {"param_offload": True} if paged else {}
-            on = run(tsd, True, steps=4, max_grad_norm=1e-3, compile=when, **kw)
+            on = run(tsd, True, device, steps=4, max_grad_norm=1e-3, compile=when, **kw)
             assert max(on["pending"][1:]) > 0 and any("finish during the next forward" in e for e in on["events"])
             assert not paged or any(e.startswith("param_offload=True: the weights of blocks") for e in on["events"])
             assert on["losses"] == pytest.approx(off["losses"], rel=1e-6, abs=1e-6), (when, paged)
