@@ -54,6 +54,11 @@ class _FirstUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# What torch.compile says when fullgraph=True meets one of tsd's hooks (they run eagerly: a graph break).
+COMPILE_REASON = ("TrainStream's forward hooks (overlap_forward's waits, weight paging) run eagerly between "
+                  "compiled graphs; compile without fullgraph=True")
+
+
 def _eager_stance() -> Optional[dict[str, Any]]:
     """Sets torch.compile's stance to "force_eager" and returns the one it replaced (as
     set_stance's arguments), or None where this torch has no stances."""
@@ -153,7 +158,7 @@ class UpdateWaits:
     def _pre_hook(self, buckets: tuple[int, ...]) -> Callable[..., None]:
         # Under torch.compile the hook runs eagerly (a graph break before the module) every time:
         # traced, its test of `pending` would be decided once, when the graph was captured.
-        @torch.compiler.disable
+        @torch.compiler.disable(reason=COMPILE_REASON)
         def hook(module: nn.Module, args: Any) -> None:
             if self.pending:
                 self.complete(buckets)

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..memory import HostArena, HostBlock
+from ..prefetch import COMPILE_REASON
 from ..quant.weight import QuantizedWeight, quantized_of
 from ..units import format_bytes
 from . import schedule
@@ -685,7 +686,8 @@ class WeightPager:
         # hold; and dynamo's caches are reset, since code compiled before the hooks existed would not
         # call them (it does not guard on module hooks).
         torch._dynamo.reset()
-        self._handles.append(self.model.register_forward_pre_hook(torch.compiler.disable(self._model_pre)))
+        self._handles.append(self.model.register_forward_pre_hook(
+            torch.compiler.disable(self._model_pre, reason=COMPILE_REASON)))
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
             self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
@@ -706,7 +708,7 @@ class WeightPager:
             self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
-        @torch.compiler.disable
+        @torch.compiler.disable(reason=COMPILE_REASON)
         def hook(module: nn.Module, args: Any) -> None:
             backward = _in_backward()
             if backward:
@@ -722,7 +724,7 @@ class WeightPager:
         return hook
 
     def _post_hook(self, b: _Block) -> Callable[..., None]:
-        @torch.compiler.disable
+        @torch.compiler.disable(reason=COMPILE_REASON)
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._ctx and self._ctx.pop():
                 torch._C._autograd._pop_saved_tensors_default_hooks()
