@@ -16,10 +16,9 @@ step is done. With it (`wrap(overlap_forward=True)`; off by default):
   needs through `Session.wait_updates` (state dicts, unwrap, the next gradient of the bucket, the
   switch to stock AdamW, `optimizer.synchronize()`).
 
-Under `torch.compile` the recording step runs eagerly (a TorchFunctionMode does not survive
-dynamo's tracing), the wait hooks are `torch.compiler.disable`d (each compiled forward breaks its
-graph before a waiting module and runs the hook eagerly), and installing them resets dynamo's
-caches, since code compiled before they existed would not call them.
+Under `torch.compile` (compiled.py) the recording step runs eagerly (a TorchFunctionMode does not
+survive dynamo's tracing), the wait hooks run eagerly (each compiled forward breaks its graph
+before a waiting module), and installing them resets dynamo's caches.
 
 A parameter that the recorded forward never used (one read outside any forward, or by no module)
 is not deferred: `step()` waits for it and copies it as before. The copies are the same bytes at
@@ -38,6 +37,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from .compiled import eager, eager_stance, forget_compiled
+
 
 class _FirstUse(TorchFunctionMode):
     """Calls `seen(tensor)` for every tensor argument of every torch function while active."""
@@ -54,24 +55,6 @@ class _FirstUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-# What torch.compile says when fullgraph=True meets one of tsd's hooks (they run eagerly: a graph break).
-COMPILE_REASON = ("TrainStream's forward hooks (overlap_forward's waits, weight paging) run eagerly between "
-                  "compiled graphs; compile without fullgraph=True")
-
-
-def _eager_stance() -> Optional[dict[str, Any]]:
-    """Sets torch.compile's stance to "force_eager" and returns the one it replaced (as
-    set_stance's arguments), or None where this torch has no stances."""
-    try:
-        from torch._dynamo.eval_frame import _stance
-    except ImportError:  # a torch without compiler stances
-        return None
-    was = {"stance": _stance.stance, "skip_guard_eval_unsafe": _stance.skip_guard_eval_unsafe,
-           "force_backend": _stance.backend}
-    torch.compiler.set_stance("force_eager")
-    return was
-
-
 class ForwardOrder:
     """Records, during the forwards of `model` until `finish()`, the order in which the trainable
     parameters (`bucket_of`: id(parameter) -> bucket) are first used, and the innermost module
@@ -82,7 +65,7 @@ class ForwardOrder:
         # hand the forward wrong values under one), so while recording, compiled models and
         # functions run eagerly: one step, from wrap() to the first step(). finish() restores
         # the stance the process had.
-        self._stance = _eager_stance()
+        self._stance = eager_stance()
         self._bucket_of = bucket_of
         self.first: dict[int, Optional[nn.Module]] = {}  # bucket -> module, in order of first use
         self._stack: list[nn.Module] = []
@@ -143,11 +126,7 @@ class UpdateWaits:
         """Hooks `modules` (each completes its own buckets before its forward) and every module of
         `model` for state dicts; the buckets named become deferrable."""
         self.remove()
-        # Code torch.compile captured before these hooks existed would never call them: dynamo does
-        # not guard on a module's hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so a model
-        # compiled earlier (an evaluation before training, another instance of its class) would read
-        # its weights without waiting. Reset its caches: what was compiled compiles again, with them.
-        torch._dynamo.reset()
+        forget_compiled()  # a model compiled earlier would read its weights without waiting (compiled.py)
         self.deferrable = frozenset(b for bs in modules.values() for b in bs)
         for m, buckets in modules.items():
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(tuple(buckets)), prepend=True))
@@ -156,9 +135,7 @@ class UpdateWaits:
             self._handles.append(m.register_load_state_dict_pre_hook(self._all))
 
     def _pre_hook(self, buckets: tuple[int, ...]) -> Callable[..., None]:
-        # Under torch.compile the hook runs eagerly (a graph break before the module) every time:
-        # traced, its test of `pending` would be decided once, when the graph was captured.
-        @torch.compiler.disable(reason=COMPILE_REASON)
+        @eager  # traced, its test of `pending` would be decided once, when the graph was captured
         def hook(module: nn.Module, args: Any) -> None:
             if self.pending:
                 self.complete(buckets)

@@ -278,7 +278,7 @@ class TrainStreamMixin(_Base):
         # The Trainer's default is offload=True: checkpoints and grad_norm are then always tsd's.
         self.trainstream_options: dict[str, Any] = {"offload": True, **options}
         # overlap_forward: on unless given, or unless a callback of another package could read
-        # parameters between steps (_overlap_forward).
+        # parameters between steps (_wrap_into_tsd decides, from the callbacks registered by then).
         self._tsd_overlap_given = "overlap_forward" in options
         self._tsd_events_logged = 0
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..errors import QuotaExceeded
 from ..memory import HostBlock, HostMemory, PinnedHost
-from ..prefetch import COMPILE_REASON
+from ..compiled import eager, forget_compiled
 from ..units import block_ranges, format_bytes
 
 _MIN_BYTES = 1 << 20
@@ -135,13 +135,10 @@ class ActivationPager:
 
     # ---- hooks
     def install(self) -> None:
-        # Under torch.compile the hooks run eagerly around each block's compiled forward (a graph
-        # break at each), whose saved tensors the pack hook then sees; and dynamo's caches are reset,
-        # since code compiled before the hooks existed would not call them (it does not guard on
-        # module hooks) and would page nothing.
-        torch._dynamo.reset()
-        enter = torch.compiler.disable(self._enter, reason=COMPILE_REASON)
-        leave = torch.compiler.disable(self._exit, reason=COMPILE_REASON)
+        # Under torch.compile the hooks run eagerly around each block's compiled forward, whose saved
+        # tensors the pack hook then sees; code compiled before them would page nothing (compiled.py).
+        forget_compiled()
+        enter, leave = eager(self._enter), eager(self._exit)
         for blk in self.blocks:
             self.handles.append(blk.register_forward_pre_hook(enter))
             self.handles.append(blk.register_forward_hook(leave, always_call=True))

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from ..memory import HostArena, HostBlock
-from ..prefetch import COMPILE_REASON
+from ..compiled import eager, forget_compiled
 from ..quant.weight import QuantizedWeight, quantized_of
 from ..units import format_bytes
 from . import schedule
@@ -681,13 +681,10 @@ class WeightPager:
         self._handles.clear()
 
     def _add_hooks(self) -> None:
-        # Under torch.compile the forward hooks run eagerly (compiler.disable: a graph break at each
-        # block), since they swap parameters' storage (`p.data = ...`), which a traced graph cannot
-        # hold; and dynamo's caches are reset, since code compiled before the hooks existed would not
-        # call them (it does not guard on module hooks).
-        torch._dynamo.reset()
-        self._handles.append(self.model.register_forward_pre_hook(
-            torch.compiler.disable(self._model_pre, reason=COMPILE_REASON)))
+        # Under torch.compile the hooks run eagerly, a graph break at each block: they swap the
+        # parameters' storage (`p.data = ...`), which a traced graph cannot hold (compiled.py).
+        forget_compiled()
+        self._handles.append(self.model.register_forward_pre_hook(eager(self._model_pre)))
         for b in self.blocks:
             self._handles.append(b.module.register_forward_pre_hook(self._pre_hook(b)))
             self._handles.append(b.module.register_forward_hook(self._post_hook(b), always_call=True))
@@ -708,7 +705,7 @@ class WeightPager:
             self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
-        @torch.compiler.disable(reason=COMPILE_REASON)
+        @eager
         def hook(module: nn.Module, args: Any) -> None:
             backward = _in_backward()
             if backward:
@@ -724,7 +721,7 @@ class WeightPager:
         return hook
 
     def _post_hook(self, b: _Block) -> Callable[..., None]:
-        @torch.compiler.disable(reason=COMPILE_REASON)
+        @eager
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._ctx and self._ctx.pop():
                 torch._C._autograd._pop_saved_tensors_default_hooks()
