@@ -453,6 +453,13 @@ def median(xs: Iterable[float]) -> float:
     return float(statistics.median(list(xs)))
 
 
+def settled_median(xs: Sequence[float]) -> float:
+    """A per-step figure of one run: the steps from the third on (all of them if there are fewer),
+    their middle value, the upper one for an even count, as peers.py takes its step time."""
+    tail = sorted(xs[2:]) or sorted(xs)
+    return tail[len(tail) // 2]
+
+
 class Recorder:
     """Appends the records of one invocation of a benchmark to its results file (by default
     bench/results/<benchmark>.jsonl). Commit, host and time are read once, at the start."""

@@ -145,10 +145,8 @@ def rank_main(rank: int, a: argparse.Namespace, port: int, socket: Optional[str]
     dist.barrier()
     if rank == 0 and a.phase_file and os.path.exists(a.phase_file):
         os.unlink(a.phase_file)
-    def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count), as the step time
-        tail = sorted(xs[2:]) or sorted(xs)
-        return tail[len(tail) // 2]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        med = benchlib.settled_median
         json.dump(dict(rank=rank, params=nparams, step_s_median=med(times), steps=times,
                        gpu_forward_ms=med(marks.fwd_ms), gpu_backward_ms=med(marks.bwd_ms),
                        step_rest_ms=med(marks.rest_ms),

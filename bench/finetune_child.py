@@ -160,9 +160,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if norms is not None and a.steps:
         norms.append(opt.last_grad_norm)
 
-    def med(xs: list[float]) -> float:  # steps 3+, the middle (upper for an even count) as peers.py takes it
-        tail = xs[2:] or xs
-        return sorted(tail)[len(tail) // 2]
+    med = benchlib.settled_median
 
     held = 0
     if session is not None:
