@@ -183,8 +183,13 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
         paging = 2 * med([float(x) for x in act_steps]) if act_steps else 0.0  # out and back
         paging += pager.moved_bytes / a.steps if pager is not None else 0.0
+        # The GPU share's parameters (optimizer_gpu_fraction; everything after offload="auto"'s switch)
+        # move no optimizer bytes through host memory.
+        share = getattr(session, "share", None)
+        on_device = n_trained if not getattr(session, "offloading", True) else (share.numel if share is not None else 0)
         host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
-                    paging_host_bytes_per_step=paging, host_bytes_per_step=n_trained * per["total"] + paging)
+                    gpu_share_params=on_device, paging_host_bytes_per_step=paging,
+                    host_bytes_per_step=max(0, n_trained - on_device) * per["total"] + paging)
     events = list(getattr(session, "events", []) or [])
     mplan = getattr(session, "memory_plan", None)
     if mplan is not None and host_before_wrap is not None:

@@ -97,7 +97,8 @@ BLOCK = re.compile(r"^<!-- report:(?P<name>[A-Za-z0-9_.-]+)(?P<attrs>[^\n]*?)-->
                    re.S | re.M)
 OPEN = re.compile(r"^<!-- report:([A-Za-z0-9_.-]+)", re.M)
 KINDS = ("modes", "runs", "raw", "plot", "bars", "scaling")
-TARGET = re.compile(r"^([^:]+):([^:]+):([^<>=]+)(<=|>=)([0-9.]+)$")  # REFMODE may name a variant (MODE:uncapped)
+# MODE and REFMODE may name variants (MODE:uncapped, tsd_bf16_act:gpu=0.15); COL is a plain name.
+TARGET = re.compile(r"^(.+?):([a-z_0-9]+):(.+?)(<=|>=)([0-9.]+)$")
 
 
 class ReportError(ValueError):
