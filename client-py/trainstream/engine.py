@@ -146,6 +146,11 @@ class Session:
         # clipping tsd's extra bucket that carries its gradients' norm into the commit.
         self.share: Any = None
         self.norm_bucket: Optional[int] = None
+        # optimizer_gpu_fraction="auto": what the decision after a measured step needs
+        # (share_auto.Pending; None once decided), and the buckets it moved into the share (their
+        # ParamSlots stay in `params`, by bucket, but leave `by_param`: tsd gets no more gradients for them).
+        self.auto_share: Any = None
+        self.moved: set[int] = set()
         self.norm_slot: Any = None
         # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
         # step(), whose reduction and delivery it does (finish_step hands over to it).
@@ -426,7 +431,8 @@ class Session:
 
     # ---- state
     def read_state(self) -> dict[int, BucketState]:
-        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, as flat tensors: views
+        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon (the buckets it updates: not
+        those moved to the GPU share), as flat tensors: views
         of a file-backed snapshot (`_state.read`), not copies on the heap. (Writing state back is
         `TsdAdamW.load_state_dict`, one tensor at a time, and `TsdAdamW.load_state`.)"""
         self.idle()
@@ -438,7 +444,7 @@ class Session:
             os.close(fd)
         e = _state.entry
         return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
-                    int(tensors[e(b, "step")][0])) for b in range(len(self.params))}
+                    int(tensors[e(b, "step")][0])) for b in range(len(self.params)) if b not in self.moved}
 
     def release(self, keep_pager: bool = False) -> None:
         """Removes the hooks and gives the job's memory back (when this session owns the client).

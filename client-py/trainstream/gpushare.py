@@ -15,11 +15,12 @@ share is taken from the end of that order. Parameters of blocks that weight pagi
 
 How much (`choose()`): a float is a share of the trainable elements (whole tensors, each taken
 while at least half of it fits the share); `0` is tsd alone, `1` everything on the device, with no
-optimizer registered in tsd at all. `"auto"` is fixed at wrap(), before the first step, when
-neither the activations nor the step's times are measured yet: it takes the usable VRAM less the
+optimizer registered in tsd at all. `"auto"` is chosen after a measured step (share_auto.py, which
+calls choose() with the room that step left); only under data parallel, whose ranks must agree
+before the share exists, is it fixed at wrap() from `vram_room()`: the usable VRAM less the
 resident weights, the gradients in flight and the activation reserve the weight-paging planner
-keeps for unmeasured activations (`blockplan.ACTIVATION_RESERVE`), and gives the share as many
-of the last-finishing parameters as fit in what is left (each costs its fp32 moments, its fp32
+keeps for unmeasured activations (`blockplan.ACTIVATION_RESERVE`). Either way the share gets as
+many of the last-finishing parameters as fit in the room (each costs its fp32 moments, its fp32
 gradient and, where the working copy is not fp32, an fp32 master). A GPU update costs about 1/25
 of a host update per parameter (123 against 4.75 Gparam/s on the H200 host), so within that room a
 larger share never lengthens a step: it shortens the host's part, which the event line reports

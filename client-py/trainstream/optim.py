@@ -9,7 +9,7 @@ from typing import IO, Any, Callable, Optional, Union
 
 import torch
 
-from . import _state, gpushare, planner
+from . import _state, gpushare, planner, share_auto
 from ._state_checks import check_state_dict
 from .engine import ParamSlots, Session
 from .errors import MemoryCheckFailed, Refusal, TsdError
@@ -82,6 +82,8 @@ class TsdAdamW(torch.optim.Optimizer):
             check_activation_host(s, s.arena.capacity_bytes)
         if s.offload == "auto" and s.steps >= 2 and s.offloading:
             maybe_switch_to_stock(self)  # decides once: offload becomes True, or the GPU share takes everything
+        if s.auto_share is not None:
+            share_auto.maybe_decide(self)  # optimizer_gpu_fraction="auto", from a measured step
         return loss
 
     @property
@@ -204,6 +206,12 @@ class TsdAdamW(torch.optim.Optimizer):
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
+        for b in sorted(s.moved):  # moved to the GPU share by "auto" (share_auto.py): tsd's slots are unused
+            n = s.params[b].shape.numel()
+            entries[e(b, "master")] = torch.zeros(n, dtype=torch.float32)
+            entries[e(b, "exp_avg")] = torch.zeros(n, dtype=mdt)
+            entries[e(b, "exp_avg_sq")] = torch.zeros(n, dtype=mdt)
+            entries[e(b, "step")] = torch.tensor([0], dtype=torch.int64)
         if s.norm_bucket is not None:  # the norm bucket (gpushare.py): nothing to keep
             nb = s.norm_bucket
             entries[e(nb, "master")] = torch.zeros(1, dtype=torch.float32)
@@ -439,7 +447,8 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
     if session.pager is not None:  # the block planner resets torch's peak after each of its first steps
         peak = max(peak, session.pager.highest_peak)
     extra = planner.stock_adamw_extra_bytes(
-        (ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize) for ps in session.params)
+        (ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize) for ps in session.params
+        if ps.bucket not in session.moved)
     return planner.stock_adamw_fits(peak, extra, budget.vram_usable)
 
 
@@ -472,6 +481,17 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
         s.offload = True
         s.events.append(f"offload=auto: keeps offloading ({why})")
         return
+    switch_to_device(opt, f"offload=auto: switched to stock {'fused ' if s.cuda else ''}AdamW on {s.device} ({why})")
+
+
+def switch_to_device(opt: "TsdAdamW", why: str) -> None:
+    """The GPU share takes every parameter tsd holds, with its state, and the job is released:
+    offload="auto"'s switch, and optimizer_gpu_fraction="auto" when everything fits (share_auto).
+    Parameters cast by param_dtype= get their own dtype back first (their fp32 masters' values).
+    `why` starts the event line."""
+    s = opt._session
+    pager = s.pager
+    s.auto_share = None  # decided: everything
     per_bucket = s.read_state()
     s.restore_dtypes(per_bucket)  # the model's own dtype: an fp32 parameter is its own master
     if s.share is None:
@@ -486,6 +506,5 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     s.share.hook_gradients()
     opt._share_state()
     s.norm_bucket = s.norm_slot = None
-    s.events.append(f"offload=auto: switched to stock {'fused ' if s.cuda else ''}AdamW on {s.device} ({why}); "
-                    f"the job's memory in tsd was released"
+    s.events.append(f"{why}; the job's memory in tsd was released"
                     f"{'; the weight pager (nothing paged) was released' if pager is not None else ''}")

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import gpushare, planner, resume
+from . import gpushare, planner, resume, share_auto
 from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
@@ -79,10 +79,13 @@ class _Prepared:
     # takes them out of `buckets`), and whether tsd gets the norm bucket (clipping over both shares).
     gpu: list[tuple[torch.nn.Parameter, int, int]] = dataclasses.field(default_factory=list)
     gpu_dtypes: list[str] = dataclasses.field(default_factory=list)
+    auto_share: Optional[share_auto.Pending] = None  # "auto": decided after a measured step (set by _plan)
 
     @property
     def norm_bucket(self) -> bool:
-        return bool(self.gpu) and bool(self.buckets) and bool(self.opts["max_grad_norm"])
+        # "auto" decides after a measured step (share_auto.py): the share it may make needs the bucket then.
+        share = bool(self.gpu) or self.auto_share is not None
+        return share and bool(self.buckets) and bool(self.opts["max_grad_norm"])
 
     def split(self, ids: frozenset[int]) -> None:
         """Moves the buckets of the parameters in `ids` to the GPU share."""
@@ -349,8 +352,18 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
     # share leaves out every block the pager may page (with "auto", each block on a GPU; on the
     # CPU "auto" pages nothing).
     pageable = paged if prep.device.type == "cuda" or prep.opts["param_offload"] != "auto" else set()
-    share = gpushare.choose(prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand),
-                            pageable, md_guess)
+    option = prep.opts["optimizer_gpu_fraction"]
+    room = gpushare.vram_room(measured, demand)
+    if option == "auto" and dp is None and room is not None:
+        # Chosen from the first settled step's measured peak (share_auto.py), not from a guess at
+        # the activations: every parameter starts in tsd.
+        prep.auto_share = share_auto.Pending(trainable, frozenset(pageable), md_guess)
+        total = sum(p.numel() for p, _ in trainable)
+        share = gpushare.ShareChoice(frozenset(), 0, total, 0, option, (
+            "optimizer_gpu_fraction=auto: everything starts in tsd; the share is chosen after the first step "
+            "whose memory plan settled, from its measured VRAM peak"))
+    else:
+        share = gpushare.choose(option, trainable, room, pageable, md_guess)
     if dp is not None:
         share = dp.agree_share(share, lambda k: gpushare.choose(
             prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand), pageable, md_guess,
@@ -529,6 +542,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
+    if prep.auto_share is not None and handle is not None:
+        prep.auto_share.seen_pager = session.act_pager  # the pager (or profiler) the first step runs with
+        session.auto_share = prep.auto_share
+        session.events.append(plan.gpu_share.why)
+    elif opts["optimizer_gpu_fraction"] == "auto" and share is None:
+        session.events.append(plan.gpu_share.why)  # nothing to decide: why none
     if opts["overlap_forward"] and session.offloading:
         session.start_overlap(model)  # records the first forward (its hooks run before the pagers')
     if quantized:
@@ -571,7 +590,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             try:
                 session.idle()
                 for ps in session.params:
-                    _give_back(ps)
+                    if ps.bucket not in session.moved:  # moved ones: the share gives them back
+                        _give_back(ps)
             except TsdError as e:
                 cast = "; parameters cast by param_dtype= keep that dtype" if session.param_dtype else ""
                 warnings.warn(f"trainstream.unwrap: {e}{cast}")
@@ -591,7 +611,7 @@ def _needed_to_give_back(session: Session, model: torch.nn.Module) -> int:
     its own dtype of each parameter param_dtype= cast (for the GPU share's, only where its fp32
     master is not already of that dtype: then the master itself becomes the parameter)."""
     paged = session.pager.paged_param_bytes() if session.pager is not None and not session.pager.closed else {}
-    orig = {id(ps.param): ps.orig_dtype for ps in session.params}
+    orig = {id(ps.param): ps.orig_dtype for ps in session.params if ps.bucket not in session.moved}
     need = 0
     for p in {id(p): p for p in model.parameters()}.values():
         want = orig.get(id(p), p.dtype)

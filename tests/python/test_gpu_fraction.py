@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainstream
+from trainstream.blockplan import MARGIN
 from gpt import batches, loss_of, make_gpt, max_diff, param_groups, train
 from test_wrap_cpu import HP, schedule
 
@@ -40,11 +41,11 @@ def tsd_run(tsd, steps, accumulation, max_grad_norm, device="cpu", after=None, *
     and parameters, last_grad_norm); `after(model, opt)` runs before unwrap()."""
     model, opt = wrapped(tsd, device, max_grad_norm=max_grad_norm, accumulation_steps=accumulation, **kw)
     s = trainstream.unwrap_session(model)
-    share = (len(s.share), s.share.numel) if s.share is not None else (0, 0)
     try:
         data = batches(steps * accumulation, device=device)
         losses = train(model, opt, data, steps, accumulation, max_grad_norm,
                        torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        share = (len(s.share), s.share.numel) if s.share is not None else (0, 0)  # "auto" chose it after step 1
         sd = opt.state_dict()
         norm = opt.last_grad_norm
         if after is not None:
@@ -115,32 +116,103 @@ def test_share_takes_the_parameters_that_finish_last(tsd):
         trainstream.unwrap(model)
 
 
-def test_auto_resolves_from_the_vram_left(tsd):
-    """"auto": nothing on a CPU device without a VRAM budget; with one, the last-finishing
-    parameters that fit in the VRAM left after the weights and the activation reserve; all of
-    them with room to spare. The plan counts the share's VRAM."""
+def half_budget(model):
+    """A VRAM budget whose room (less blockplan.MARGIN) holds about half of the parameters' share
+    costs (fp32 working copies: 12 bytes each, moments and gradient) on a CPU device, where the
+    measured peak is 0."""
+    return trainstream.Budget(vram_usable=int(6 * total_params(model) / (1 - MARGIN)))
+
+
+def test_auto_is_not_guessed_at_wrap(tsd):
+    """"auto" puts nothing on the device at wrap() (the activations are unknown): the plan says
+    so; on a CPU device without a VRAM budget, the first step keeps everything in tsd."""
     model = make_gpt()
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
     kw = dict(device="cpu", socket=tsd.socket, optimizer_gpu_fraction="auto")
-    none = trainstream.plan_wrap(model, opt, **kw)
-    assert none.gpu_share.numel == 0 and "no VRAM budget" in none.gpu_share.why
-    roomy = trainstream.plan_wrap(model, opt, budget=trainstream.Budget(vram_usable=1 << 40), **kw)
-    total = total_params(model)
-    assert roomy.gpu_share.numel == total and roomy.demand.gpu_optimizer == 12 * total
-    # Room for about half of the share's bytes.
-    resident = roomy.demand.vram_resident - roomy.demand.gpu_optimizer
-    usable = int((resident + 6 * total) / 0.75)
-    half = trainstream.plan_wrap(model, opt, budget=trainstream.Budget(vram_usable=usable), **kw)
-    assert 0.2 < half.gpu_share.fraction < 0.8, half.gpu_share.why
-    assert half.demand.vram_resident <= usable
-    assert "host time" in half.gpu_share.why
-    # The auto run trains like torch.
-    ref, _, a = stock_run(20, 1, 0.05)
-    mine, b, _, events, (_, numel), _ = tsd_run(tsd, 20, 1, 0.05, optimizer_gpu_fraction="auto",
-                                               budget=trainstream.Budget(vram_usable=usable))
-    assert numel == half.gpu_share.numel
-    assert any("optimizer_gpu_fraction=auto" in e for e in events)
+    plan = trainstream.plan_wrap(model, opt, budget=trainstream.Budget(vram_usable=1 << 40), **kw)
+    assert plan.gpu_share.numel == 0 and plan.demand.gpu_optimizer == 0
+    assert "after the first step" in plan.gpu_share.why
+    mine, _, _, events, (tensors, _), _ = tsd_run(tsd, 3, 1, 0.05, optimizer_gpu_fraction="auto")
+    assert tensors == 0 and any("no VRAM budget" in e for e in events)
+
+
+@pytest.mark.parametrize("accumulation,max_grad_norm", CONFIGS)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_moves_what_fits_after_the_first_step(tsd, all_tsd, accumulation, max_grad_norm, overlap):
+    """After the first step, "auto" moves the last-finishing parameters that fit in the room the
+    step left (here half of them) into the share, with tsd's state; the 20 steps still equal
+    torch's and the all-tsd run's (within 1e-6), the state_dict holds every parameter."""
+    ref, opt_ref, a = stock_run(20, accumulation, max_grad_norm)
+    seen = {}
+
+    def check(model, opt):
+        s = trainstream.unwrap_session(model)
+        seen["moved"] = len(s.moved)
+        seen["tok"] = id(model.tok.weight) in s.share.by_param
+        seen["tsd"] = opt.offloading and all(id(e.param) not in s.by_param for e in s.share.entries)
+    mine, b, sd, events, (tensors, numel), norm = tsd_run(
+        tsd, 20, accumulation, max_grad_norm, optimizer_gpu_fraction="auto", budget=half_budget(ref),
+        overlap_forward=overlap, after=check)
+    total = total_params(ref)
+    print(f"auto acc={accumulation} clip={max_grad_norm} overlap={overlap}: {numel}/{total} moved; "
+          f"{[e for e in events if 'after step' in e]}")
+    assert 0.2 < numel / total < 0.8 and seen == {"moved": tensors, "tok": True, "tsd": True}
+    assert any("optimizer_gpu_fraction=auto after step 1" in e and "moved" in e for e in events)
+    assert max_diff(ref, mine) <= 1e-6 and max_diff(all_tsd[(accumulation, max_grad_norm)][0], mine) <= 1e-6
+    assert b == pytest.approx(a, rel=1e-5)
+    sd_ref = opt_ref.state_dict()
+    assert sd["state"].keys() == sd_ref["state"].keys()
+    for i, st in sd_ref["state"].items():
+        assert float(sd["state"][i]["step"]) == 20
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert (sd["state"][i][k].float() - st[k]).abs().max().item() <= 1e-6 * max(1.0, st[k].abs().max().item())
+    if max_grad_norm:
+        assert norm is not None and norm > max_grad_norm
+
+
+def test_auto_with_room_for_everything_releases_the_job(tsd):
+    """Room for every parameter: after the first step the share takes everything (offload="auto"'s
+    switch) and the job's memory in tsd goes."""
+    ref, _, a = stock_run(6, 1, 0.05)
+
+    def check(model, opt):
+        assert not opt.offloading and trainstream.unwrap_session(model).handle is None
+    mine, b, _, events, (_, numel), _ = tsd_run(tsd, 6, 1, 0.05, optimizer_gpu_fraction="auto", job="auto-all",
+                                               budget=trainstream.Budget(vram_usable=1 << 40), after=check)
+    assert numel == total_params(ref) and any("every parameter's optimizer fits" in e for e in events)
     assert max_diff(ref, mine) <= 1e-6
+    with trainstream.connect(socket=tsd.socket) as c:
+        assert "auto-all" not in [j.name for j in c.jobs()]
+
+
+def test_auto_state_dict_round_trips_after_the_move(tsd):
+    """After the move, load_state_dict (its own state, mid-run: tsd's part and the moved
+    parameters') and a fresh "auto" run resumed from it both continue as the stock run."""
+    ref, _, _ = stock_run(10, 1, 0.05)
+    kw = dict(optimizer_gpu_fraction="auto", budget=half_budget(ref))
+
+    def mid(model, opt):
+        assert trainstream.unwrap_session(model).moved
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own state: nothing changes
+    again, session = stop_and_resume(tsd, kw, kw, mid)
+    assert session.moved  # the resumed run moved its share after its own first step
+    assert max_diff(ref, again) <= 1e-6
+
+
+def test_auto_with_param_dtype_gives_fp32_back(tsd):
+    """param_dtype=bf16: the moved parameters stay bf16 working copies of fp32 masters (now on the
+    device); unwrap() gives every parameter back in fp32, close to the all-tsd run's."""
+    ref = make_gpt()
+    dtypes = {}
+
+    def keep(model, opt):
+        dtypes["during"] = {p.dtype for p in model.parameters()}
+    base, *_ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16)
+    mine, _, _, _, (tensors, _), _ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16, optimizer_gpu_fraction="auto",
+                                             budget=half_budget(ref), after=keep)
+    assert tensors > 0 and dtypes["during"] == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in mine.parameters())
+    assert max_diff(base, mine) <= 2e-3
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), float("inf"), "half", "AUTO", True, None, [0.5]])
@@ -164,16 +236,19 @@ def test_a_share_is_refused_with_kept_jobs(tsd):
             trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, job="kept", optimizer_gpu_fraction=0.5, **kw)
 
 
-@pytest.mark.parametrize("first,second", [(0.5, 0.5), (0.5, 0.0), (0.3, 1.0), (1.0, 0.3)])
-def test_state_dict_round_trip_across_fractions(tsd, first, second):
-    """10 steps stopped after 5: the state_dict of a run with one fraction loads into a run with
-    another (torch's layout for both shares), and the result equals the uninterrupted stock run."""
-    ref, _, _ = stock_run(10, 1, 0.05)
+def stop_and_resume(tsd, first, second, mid=None):
+    """10 steps clipped at 0.05, stopped after 5: a run wrapped with options `first` (`mid(model,
+    opt)` after its third step) gives its state_dict, weights and schedule to a fresh run wrapped
+    with `second`, which takes the other 5 and checks every step count; returns its model and
+    its (unwrapped) session."""
     data = batches(10)
-    model, opt = wrapped(tsd, max_grad_norm=0.05, optimizer_gpu_fraction=first)
+    model, opt = wrapped(tsd, max_grad_norm=0.05, **first)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     try:
-        train(model, opt, data[:5], 5, 1, 0.05, sched)
+        train(model, opt, data[:3], 3, 1, 0.05, sched)
+        if mid is not None:
+            mid(model, opt)
+        train(model, opt, data[3:5], 2, 1, 0.05, sched)
         sd = copy.deepcopy(opt.state_dict())
         weights = copy.deepcopy(model.state_dict())
         sched_sd = sched.state_dict()
@@ -183,7 +258,8 @@ def test_state_dict_round_trip_across_fractions(tsd, first, second):
     again.load_state_dict(weights)
     opt2 = torch.optim.AdamW(param_groups(again, 0.1, 3e-3), **HP)
     again, opt2 = trainstream.wrap(again, opt2, device="cpu", socket=tsd.socket, offload=True, max_grad_norm=0.05,
-                                   optimizer_gpu_fraction=second)
+                                   **second)
+    session = trainstream.unwrap_session(again)
     try:
         sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, schedule)
         opt2.load_state_dict(sd)  # after the scheduler's creation (which sets lr), as in torch
@@ -193,6 +269,15 @@ def test_state_dict_round_trip_across_fractions(tsd, first, second):
         assert all(float(v["step"]) == 10 for v in st.values())
     finally:
         trainstream.unwrap(again)
+    return again, session
+
+
+@pytest.mark.parametrize("first,second", [(0.5, 0.5), (0.5, 0.0), (0.3, 1.0), (1.0, 0.3)])
+def test_state_dict_round_trip_across_fractions(tsd, first, second):
+    """10 steps stopped after 5: the state_dict of a run with one fraction loads into a run with
+    another (torch's layout for both shares), and the result equals the uninterrupted stock run."""
+    ref, _, _ = stock_run(10, 1, 0.05)
+    again, _ = stop_and_resume(tsd, dict(optimizer_gpu_fraction=first), dict(optimizer_gpu_fraction=second))
     assert max_diff(ref, again) <= 1e-6
 
 
