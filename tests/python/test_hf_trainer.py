@@ -184,6 +184,38 @@ def test_checkpoint_and_resume_are_bit_identical(tsd, tmp_path, checkpoints, dev
     assert max_diff(whole, resumed) == 0.0
 
 
+@pytest.mark.parametrize("fraction", [0.5, "auto"])
+def test_checkpoint_and_resume_with_a_gpu_share(tsd, tmp_path, checkpoints, fraction):
+    """optimizer_gpu_fraction: part of the state is torch's on the device, so the checkpoint holds
+    the optimizer as the stock Trainer's does (optimizer.pt, torch's layout, both shares); resumed
+    from it, steps 4-6 and the final weights are bit for bit those of the uninterrupted run. "auto"
+    (a CPU device with a VRAM budget) moves its share after the first step of each run, the
+    resumed one's too."""
+    path = checkpoints["llama"]
+    whole = load(path)
+    options = {"optimizer_gpu_fraction": fraction}
+    if fraction == "auto":
+        n = sum(p.numel() for p in whole.parameters() if p.requires_grad)
+        options["budget"] = trainstream.Budget(vram_usable=6 * n)
+    a = run_ts(tsd, whole, targs(tmp_path / "a", save_strategy="steps", save_steps=3), **options)
+    chose = "after step 1" if fraction == "auto" else "optimizer_gpu_fraction=0.5"
+    assert any(chose in e and "parameters" in e for e in a.tsd_events)
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / "optimizer.pt").is_file() and not (ckpt / STATE_FILE).exists()
+    resumed = load(path)
+    b = run_ts(tsd, resumed, targs(tmp_path / "b"), resume=str(ckpt), **options)
+    if fraction == "auto":
+        # The resumed run decides again after its own first step (step 4), which tsd takes whole:
+        # two AdamWs and two summation orders of the norm for that step, so within 1e-6, not bitwise.
+        assert losses(b) == pytest.approx(losses(a), rel=1e-6)
+        assert grad_norms(b) == pytest.approx(grad_norms(a), rel=1e-6)
+        assert max_diff(whole, resumed) <= 1e-6
+        return
+    assert losses(b) == losses(a)
+    assert grad_norms(b) == grad_norms(a)
+    assert max_diff(whole, resumed) == 0.0
+
+
 def test_resume_refuses_another_layout(tsd, tmp_path, checkpoints):
     run_ts(tsd, load(checkpoints["llama"]), targs(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2))
     lora = load(checkpoints["llama"], lora=True)

@@ -152,8 +152,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def check_trainstream_options(options: Any) -> dict[str, Any]:
-    """The wrap() options given as `trainstream=`: a dict of wrap()'s options, without the two
-    that come from the TrainingArguments."""
+    """The wrap() options given as `trainstream=`: a dict of wrap()'s options (`budget=` among
+    them), without the two that come from the TrainingArguments."""
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -162,10 +162,10 @@ def check_trainstream_options(options: Any) -> dict[str, Any]:
     if taken:
         raise ValueError(f"trainstream={{...}} sets {taken}, which TrainStreamTrainer takes from the TrainingArguments: "
                          f"set " + ", ".join(f"{_FROM_ARGS[k]}=" for k in taken) + " there instead")
-    unknown = sorted(set(options) - set(OPTIONS))
+    known = (set(OPTIONS) | {"budget"}) - set(_FROM_ARGS)  # budget=: wrap()'s trainstream.Budget
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"trainstream={{...}} has unknown options {unknown}; trainstream.wrap() takes "
-                        f"{sorted(set(OPTIONS) - set(_FROM_ARGS))}")
+        raise TypeError(f"trainstream={{...}} has unknown options {unknown}; trainstream.wrap() takes {sorted(known)}")
     return dict(options)
 
 
@@ -440,7 +440,10 @@ class TrainStreamMixin(_Base):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self._offloading()
-        if opt is None:
+        if opt is None or opt._session.share is not None:
+            # Everything, or a GPU share (optimizer_gpu_fraction), in torch on the device: the state is
+            # saved as the stock Trainer saves it, optimizer.pt in torch's layout (TsdAdamW.state_dict:
+            # tsd's part a snapshot, the share's torch's tensors), and loaded through load_state_dict.
             return super()._save_optimizer_and_scheduler(output_dir)
         if not self.args.should_save:
             return
