@@ -147,12 +147,13 @@ absl::StatusOr<OptimizerLayout> Client::PlanOptimizer(const OptimizerSpec& spec)
   return out;
 }
 
-absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd) {
+absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd,
+                                              absl::Span<const uint32_t> buckets) {
   MutexLock lock(impl_->mu);
   if (!impl_->attached) return impl_->NotAttached();
   v1::SideRequest req;
   if (save) {
-    req.mutable_save_state();
+    req.mutable_save_state()->mutable_buckets()->Add(buckets.begin(), buckets.end());
   } else {
     req.mutable_load_state();
   }

@@ -282,7 +282,9 @@ absl::Status Optimizer::SetOrder(const std::vector<size_t>& forward) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Optimizer::SaveState(int fd) { return client_->StateRequest(true, fd); }
+absl::StatusOr<uint64_t> Optimizer::SaveState(int fd, absl::Span<const uint32_t> buckets) {
+  return client_->StateRequest(true, fd, buckets);
+}
 absl::StatusOr<uint64_t> Optimizer::LoadState(int fd) { return client_->StateRequest(false, fd); }
 
 }  // namespace tsd

@@ -857,11 +857,13 @@ PYBIND11_MODULE(_C, m) {
             Check(h.opt->SetOrder(forward));
           },
           py::arg("forward"))
-      .def("save_state",
-           [](OptimizerHandle& h, int fd) {
-             py::gil_scoped_release release;
-             return Value(h.opt->SaveState(fd));
-           })
+      .def(
+          "save_state",
+          [](OptimizerHandle& h, int fd, const std::vector<uint32_t>& buckets) {
+            py::gil_scoped_release release;
+            return Value(h.opt->SaveState(fd, buckets));
+          },
+          py::arg("fd"), py::arg("buckets") = std::vector<uint32_t>{})
       .def("load_state", [](OptimizerHandle& h, int fd) {
         py::gil_scoped_release release;
         return Value(h.opt->LoadState(fd));

@@ -430,21 +430,26 @@ class Session:
             self.handle.wait_all()
 
     # ---- state
-    def read_state(self) -> dict[int, BucketState]:
-        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon (the buckets it updates: not
-        those moved to the GPU share), as flat tensors: views
-        of a file-backed snapshot (`_state.read`), not copies on the heap. (Writing state back is
-        `TsdAdamW.load_state_dict`, one tensor at a time, and `TsdAdamW.load_state`.)"""
+    def read_state(self, buckets: Optional[list[int]] = None) -> dict[int, BucketState]:
+        """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, of `buckets` (ascending),
+        or of every bucket it updates (None: not those moved to the GPU share), as flat tensors:
+        views of a file-backed snapshot (`_state.read`), not copies on the heap; with `buckets`
+        the daemon writes only theirs. (Writing state back is `TsdAdamW.load_state_dict`, one
+        tensor at a time, and `TsdAdamW.load_state`.)"""
         self.idle()
+        wanted = [b for b in range(len(self.params)) if b not in self.moved] if buckets is None else list(buckets)
         fd = _state.new_file()
         try:
-            self.handle.save_state(fd)
+            if buckets is None:
+                self.handle.save_state(fd)
+            else:
+                self.handle.save_state(fd, wanted)
             tensors, _ = _state.read(fd)
         finally:
             os.close(fd)
         e = _state.entry
         return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
-                    int(tensors[e(b, "step")][0])) for b in range(len(self.params)) if b not in self.moved}
+                    int(tensors[e(b, "step")][0])) for b in wanted}
 
     def release(self, keep_pager: bool = False) -> None:
         """Removes the hooks and gives the job's memory back (when this session owns the client).

@@ -11,7 +11,8 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
   the block planner keeps), and the share takes the last-finishing parameters that fit in it,
   each costing what `gpushare.vram_cost` counts (its fp32 moments, fp32 gradient and, for a
   working copy that is not fp32, its master) -- the same choice `gpushare.choose` makes;
-- the moved parameters' masters, moments and step counts come from tsd's state snapshot, so the
+- the moved parameters' masters, moments and step counts come from a snapshot of just their
+  buckets (the daemon's save_state with a bucket list), so the
   run goes on exactly (torch's AdamW from then on for them: within 1e-6 of tsd's, not bitwise);
   tsd stops receiving their gradients (their slots stay allocated and unused: the registration is
   fixed), and the share's gradient norm joins tsd's commit through the norm bucket wrap()
@@ -110,8 +111,9 @@ def move(opt: "TsdAdamW", ids: frozenset[int]) -> None:
     """Moves the optimizer of the parameters in `ids` (tsd buckets, none paged) into the GPU share,
     with their state as tsd has it now; tsd takes no more gradients for them."""
     s: "Session" = opt._session
-    per_bucket = s.read_state()  # waits for every update first (idle)
     moving = [ps for ps in s.params if id(ps.param) in ids and ps.bucket not in s.moved]
+    # Only their state: a whole snapshot of a 7B job would be 84 GB of file for a few GB moved.
+    per_bucket = s.read_state([ps.bucket for ps in moving])  # waits for every update first (idle)
     assert not any(ps.paged for ps in moving), "a paged parameter's only copy is its tsd slot"
     if s.share is None:
         s.share = gpushare.GpuShare(s.device, len(opt.param_groups))

@@ -26,6 +26,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/memory/region.h"
 #include "daemon/optimizer/observer.h"
 #include "daemon/optimizer/step_stats.h"
@@ -111,7 +112,11 @@ class JobOptimizer final {
   const OptimizerPlan& plan() const { return plan_; }
 
   // Writes the state as safetensors into `fd` (a regular file or memfd); returns bytes written.
-  absl::StatusOr<uint64_t> SaveState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
+  // `buckets`: only these (strictly ascending indices; empty: all). A partial file says so in its
+  // metadata and LoadState refuses it: the client reads the buckets it needs (a GPU share taking
+  // some of them) without writing the whole state.
+  absl::StatusOr<uint64_t> SaveState(int fd, absl::Span<const uint32_t> buckets = {})
+      ABSL_LOCKS_EXCLUDED(state_mu_);
   // Reads state written by SaveState; validates everything before changing anything.
   absl::StatusOr<uint64_t> LoadState(int fd) ABSL_LOCKS_EXCLUDED(state_mu_);
 

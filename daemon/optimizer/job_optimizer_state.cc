@@ -30,6 +30,9 @@ constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
 // order. Written by SaveState; verified by LoadState when present (state files written by other
 // tools, such as the Python client's load_state_dict(), carry none).
 constexpr char kChecksumKey[] = "xxh3_64";
+// The metadata key of a partial file (SaveState with a bucket list): how many buckets it holds.
+// LoadState refuses such a file.
+constexpr char kPartialKey[] = "partial";
 
 std::string Hex64(uint64_t v) {
   static constexpr char kDigits[] = "0123456789abcdef";
@@ -157,8 +160,26 @@ absl::Status ReadAll(int fd, char* p, uint64_t n, uint64_t offset) {
 
 }  // namespace
 
-absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
+absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd, absl::Span<const uint32_t> buckets) {
   TSD_RETURN_IF_ERROR(CheckFile(fd));
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (buckets[i] >= runs_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("save_state: bucket ", buckets[i],
+                                                     " does not exist (the optimizer has ",
+                                                     runs_.size(), " buckets)"));
+    }
+    if (i > 0 && buckets[i] <= buckets[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("save_state: the buckets must be strictly ascending (", buckets[i],
+                       " follows ", buckets[i - 1], ")"));
+    }
+  }
+  std::vector<size_t> chosen;
+  if (buckets.empty()) {
+    for (size_t b = 0; b < runs_.size(); ++b) chosen.push_back(b);
+  } else {
+    chosen.assign(buckets.begin(), buckets.end());
+  }
   MutexLock lock(state_mu_);
   if (!Idle()) {
     return absl::FailedPreconditionError(
@@ -167,7 +188,7 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   std::vector<Entry> entries;
   std::vector<int64_t> steps(runs_.size());
-  for (size_t b = 0; b < runs_.size(); ++b) {
+  for (const size_t b : chosen) {
     BucketRun& r = *runs_[b];
     const int64_t n = r.plan.numel;
     steps[b] = r.steps;
@@ -193,6 +214,7 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd) {
                             {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
                             {"committed", std::to_string(committed_local_)},
                             {kChecksumKey, checksums}};
+  if (!buckets.empty()) header["__metadata__"][kPartialKey] = std::to_string(chosen.size());
   uint64_t offset = 0;
   for (const auto& e : entries) {
     header[e.name] = {
@@ -252,6 +274,12 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
       (*meta)["format"].get<std::string>() != wire::kStateFormat) {
     return absl::InvalidArgumentError(
         absl::StrCat("the file is not a tsd optimizer state (", wire::kStateFormat, ")"));
+  }
+  if (meta->contains(kPartialKey)) {
+    return absl::InvalidArgumentError(
+        "the state file holds only some of the buckets (a partial save_state); save the whole "
+        "state "
+        "to load it");
   }
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   const uint64_t data_start = 8 + hlen, data_bytes = file_bytes - data_start;

@@ -234,7 +234,9 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     }
     case v1::SideRequest::kSaveState:
     case v1::SideRequest::kLoadState: {
-      auto moved = State(sid, request.has_save_state(), fd);
+      const auto& subset = request.save_state().buckets();  // empty for load_state
+      auto moved = State(sid, request.has_save_state(), fd,
+                         absl::MakeConstSpan(subset.data(), subset.size()));
       if (!moved.ok()) {
         SetError(out.reply, moved.status());
       } else {
@@ -322,10 +324,11 @@ SideOutcome SideHandler::Attach(const SideCaller& caller, const v1::SideAttach& 
   return out;
 }
 
-absl::StatusOr<uint64_t> SideHandler::State(uint64_t session_id, bool save, int fd) {
+absl::StatusOr<uint64_t> SideHandler::State(uint64_t session_id, bool save, int fd,
+                                            absl::Span<const uint32_t> buckets) {
   TSD_RETURN_IF_ERROR(CheckStateFd(fd, save));
   TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer, registry_.OptimizerOf(session_id));
-  return save ? optimizer->SaveState(fd) : optimizer->LoadState(fd);
+  return save ? optimizer->SaveState(fd, buckets) : optimizer->LoadState(fd);
 }
 
 }  // namespace tsd

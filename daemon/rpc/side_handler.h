@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "absl/types/span.h"
 #include "daemon/jobs/registry.h"
 #include "daemon/ops/log_budget.h"
 #include "daemon/optimizer/registrar.h"
@@ -53,7 +54,9 @@ class SideHandler final {
  private:
   SideOutcome Attach(const SideCaller& caller, const v1::SideAttach& attach);
   // Save or load the job's optimizer state through `fd`, a file the trainer opened.
-  absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd);
+  // save_state (`buckets`: only these, empty: all) or load_state with the datagram's `fd`.
+  absl::StatusOr<uint64_t> State(uint64_t session_id, bool save, int fd,
+                                 absl::Span<const uint32_t> buckets = {});
   // tsctl checkpoint: writes `job`'s optimizer state into `fd` for its owner (side_handler.cc).
   absl::StatusOr<uint64_t> Checkpoint(const SideCaller& caller, const std::string& job, int fd);
   // store_file, open_store and close_store (side_handler_stores.cc); takes `fd`.

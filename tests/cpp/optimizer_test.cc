@@ -360,6 +360,58 @@ TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
   close(fb);
 }
 
+TEST(Optimizer, PartialStateHoldsTheChosenBucketsAndIsNotLoadable) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  OptimizerSpec spec;
+  spec.groups = {{.lr = 1e-3}};
+  spec.buckets = {{0, 5000, DType::kF32, DType::kF32},
+                  {0, 300, DType::kF32, DType::kF32},
+                  {0, 7000, DType::kF32, DType::kF32}};
+  auto a = Attach(*d, "partial", spec);
+  std::mt19937 rng(3);
+  for (int s = 0; s < 2; ++s) {
+    for (size_t b = 0; b < 3; ++b) {
+      auto g = RandomVec(a.opt->numel(b), rng, 0.1f);
+      std::memcpy(a.opt->grad(b), g.data(), g.size() * 4);
+      ASSERT_TRUE(a.opt->Ready(b).ok());
+    }
+    ASSERT_TRUE(a.opt->WaitAll().ok());
+  }
+  const int whole = memfd_create("whole", MFD_CLOEXEC), part = memfd_create("part", MFD_CLOEXEC);
+  ASSERT_TRUE(a.opt->SaveState(whole).ok());
+  const std::vector<uint32_t> chosen = {0, 2};
+  auto written = a.opt->SaveState(part, chosen);
+  ASSERT_TRUE(written.ok()) << written.status();
+  // Only buckets 0 and 2: their fp32 master and moments (12 bytes per element) and two steps.
+  EXPECT_GT(*written, 12u * 12000);
+  EXPECT_LT(*written, 12u * 12000 + 4096);
+  std::string file(static_cast<size_t>(*written), '\0');
+  ASSERT_EQ(pread(part, file.data(), file.size(), 0), static_cast<ssize_t>(file.size()));
+  EXPECT_THAT(file, HasSubstr("\"b2.exp_avg\""));
+  EXPECT_THAT(file, HasSubstr("\"partial\":\"2\""));
+  EXPECT_EQ(file.find("\"b1."), std::string::npos);
+  // Bucket 2's master is the same bytes in both files (at its own offsets).
+  const float* master = a.opt->master(2);
+  EXPECT_NE(file.find(std::string(reinterpret_cast<const char*>(master), 7000 * 4)),
+            std::string::npos);
+  // A partial file is refused by LoadState, changing nothing; bad lists are refused.
+  const std::vector<float> before(a.opt->master(1), a.opt->master(1) + 300);
+  auto refused = a.opt->LoadState(part);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("only some of the buckets"));
+  EXPECT_EQ(std::vector<float>(a.opt->master(1), a.opt->master(1) + 300), before);
+  const std::vector<uint32_t> out_of_range = {1, 3}, unordered = {2, 0}, twice = {1, 1};
+  EXPECT_THAT(std::string(a.opt->SaveState(part, out_of_range).status().message()),
+              HasSubstr("bucket 3 does not exist"));
+  EXPECT_THAT(std::string(a.opt->SaveState(part, unordered).status().message()),
+              HasSubstr("strictly ascending"));
+  EXPECT_EQ(a.opt->SaveState(part, twice).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(a.opt->LoadState(whole).ok());  // the session is still usable
+  close(whole);
+  close(part);
+}
+
 TEST(Optimizer, UnsupportedOptionsAndBadLayoutsAreRefused) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d);

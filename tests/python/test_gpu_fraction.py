@@ -407,3 +407,24 @@ def test_bad_hyperparameters_are_refused_for_the_share_too(tsd):
         assert all(torch.equal(x, p) for x, p in zip(before, model.parameters()))
     finally:
         trainstream.unwrap(model)
+
+
+def test_partial_state_read_is_what_the_whole_snapshot_holds(tsd):
+    """read_state(buckets) (how "auto" takes the moved parameters' state) asks the daemon for just
+    those buckets: the same tensors as the whole snapshot's; a bad list is refused with what was
+    wrong, and the session goes on."""
+    model, opt = wrapped(tsd, max_grad_norm=0.05)
+    try:
+        train(model, opt, batches(2), 2)
+        s = trainstream.unwrap_session(model)
+        whole, part = s.read_state(), s.read_state([0, 2])
+        assert sorted(part) == [0, 2]
+        for b in part:
+            assert all(torch.equal(x, y) for x, y in zip(whole[b][:3], part[b][:3])) and whole[b][3] == part[b][3] == 2
+        with pytest.raises(trainstream.TsdError, match="strictly ascending"):
+            s.read_state([2, 0])
+        with pytest.raises(trainstream.TsdError, match=f"bucket {len(s.params) + 1} does not exist"):
+            s.read_state([len(s.params) + 1])
+        train(model, opt, batches(1), 1)
+    finally:
+        trainstream.unwrap(model)

@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "tsd/device_store.h"
 #include "tsd/store.h"
 
@@ -240,7 +241,7 @@ class Client final {
                                                       ResumeReport* report);
   friend class Optimizer;
   // Sends a state request with `fd` on the side socket; returns the bytes the daemon moved.
-  absl::StatusOr<uint64_t> StateRequest(bool save, int fd);
+  absl::StatusOr<uint64_t> StateRequest(bool save, int fd, absl::Span<const uint32_t> buckets = {});
   // False once the daemon closed the session's side connection (it died or shut down).
   bool DaemonAlive(std::string* why);
 

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 
 namespace tsd {
 
@@ -141,8 +142,9 @@ class Optimizer final {
   absl::Status ReportStep(absl::Duration wait, uint64_t h2d_bytes, uint64_t d2h_bytes);
 
   // Writes the state (master, moments, steps) as safetensors into `fd` (a regular file or a
-  // memfd); reads it back. Both need every bucket idle.
-  absl::StatusOr<uint64_t> SaveState(int fd);
+  // memfd); reads it back. Both need every bucket idle. `buckets`: only these (strictly
+  // ascending; empty: all), a partial file LoadState refuses.
+  absl::StatusOr<uint64_t> SaveState(int fd, absl::Span<const uint32_t> buckets = {});
   absl::StatusOr<uint64_t> LoadState(int fd);
 
   const std::string& isa() const { return isa_; }
