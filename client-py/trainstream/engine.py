@@ -42,6 +42,7 @@ from .errors import TsdError, error_class
 from .memory import HostArena, PinnedHost
 from .paging.activations import ActivationPager
 from .paging.weights import WeightPager
+from . import planner
 from .planner import Budget
 from .prefetch import ForwardOrder, UpdateWaits, owners_of, stale_use_event, wait_modules
 
@@ -429,21 +430,31 @@ class Session:
         if self.handle is not None:
             self.handle.wait_all()
 
+    # ---- memory
+    def measured_vram(self) -> tuple[Budget, int]:
+        """The budget wrap() was given, its missing fields measured now, and the VRAM peak the steps
+        so far reached: torch's since the process started or the last reset, and with a weight pager
+        the largest its block planner saw (it resets torch's peak after each step it refines). On a
+        CPU device the peak is 0. What the decisions after a measured step (activation paging,
+        offload="auto"'s switch, optimizer_gpu_fraction="auto") compare."""
+        budget = self.budget.merged(planner.measure_device(self.device))
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        if self.pager is not None:
+            peak = max(peak, self.pager.highest_peak)
+        return budget, peak
+
     # ---- state
     def read_state(self, buckets: Optional[list[int]] = None) -> dict[int, BucketState]:
         """{bucket: (master, exp_avg, exp_avg_sq, step)} from the daemon, of `buckets` (ascending),
         or of every bucket it updates (None: not those moved to the GPU share), as flat tensors:
         views of a file-backed snapshot (`_state.read`), not copies on the heap; with `buckets`
-        the daemon writes only theirs. (Writing state back is `TsdAdamW.load_state_dict`, one
-        tensor at a time, and `TsdAdamW.load_state`.)"""
+        the daemon writes only those it returns (all of them: an empty list). (Writing state back is
+        `TsdAdamW.load_state_dict`, one tensor at a time, and `TsdAdamW.load_state`.)"""
         self.idle()
         wanted = [b for b in range(len(self.params)) if b not in self.moved] if buckets is None else list(buckets)
         fd = _state.new_file()
         try:
-            if buckets is None:
-                self.handle.save_state(fd)
-            else:
-                self.handle.save_state(fd, wanted)
+            self.handle.save_state(fd, wanted if buckets is not None or self.moved else [])
             tensors, _ = _state.read(fd)
         finally:
             os.close(fd)

@@ -206,18 +206,16 @@ class TsdAdamW(torch.optim.Optimizer):
             for part in ("exp_avg", "exp_avg_sq"):
                 entries[e(b, part)] = (mdt, (n,), lambda st=st, part=part, n=n: _moment(st, part, n, mdt))
             entries[e(b, "step")] = torch.tensor([step], dtype=torch.int64)
-        for b in sorted(s.moved):  # moved to the GPU share by "auto" (share_auto.py): tsd's slots are unused
-            n = s.params[b].shape.numel()
+        # Buckets with nothing to keep: those "auto" moved to the GPU share (share_auto.py; tsd's
+        # slots are unused) and the norm bucket (gpushare.py).
+        unused = [(b, s.params[b].shape.numel()) for b in sorted(s.moved)]
+        if s.norm_bucket is not None:
+            unused.append((s.norm_bucket, 1))
+        for b, n in unused:
             entries[e(b, "master")] = torch.zeros(n, dtype=torch.float32)
             entries[e(b, "exp_avg")] = torch.zeros(n, dtype=mdt)
             entries[e(b, "exp_avg_sq")] = torch.zeros(n, dtype=mdt)
             entries[e(b, "step")] = torch.tensor([0], dtype=torch.int64)
-        if s.norm_bucket is not None:  # the norm bucket (gpushare.py): nothing to keep
-            nb = s.norm_bucket
-            entries[e(nb, "master")] = torch.zeros(1, dtype=torch.float32)
-            entries[e(nb, "exp_avg")] = torch.zeros(1, dtype=mdt)
-            entries[e(nb, "exp_avg_sq")] = torch.zeros(1, dtype=mdt)
-            entries[e(nb, "step")] = torch.tensor([0], dtype=torch.int64)
         if s.offloading:
             meta = {"format": _state.FORMAT, "buckets": str(len(entries) // 4),
                     "moment_dtype": _state.MOMENT_TAGS[self.moment_dtype], "committed": "0"}
@@ -391,10 +389,7 @@ def decide_activation_offload(session: Session) -> None:
                         "peak holds)", min_bytes=prof.min_bytes)
         check_activation_host(session, session.arena.capacity_bytes if session.arena is not None else 0)
         return
-    budget = session.budget.merged(planner.measure_device(session.device))
-    peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
-    if session.pager is not None:  # the block planner read the step's peak and reset torch's before this
-        peak = max(peak, session.pager.highest_peak)
+    budget, peak = session.measured_vram()
     room = None
     if session.cuda and session.client is not None:
         try:
@@ -442,10 +437,7 @@ def stock_adamw_fits(session: Session) -> tuple[bool, str]:
     (planner.stock_adamw_extra_bytes), against the usable VRAM of the session's budget (measured
     now where wrap() was given none). On a CPU device there is no VRAM to save: offloading stays,
     unless a budget passed to wrap() gives one. Returns (fits, explanation)."""
-    budget = session.budget.merged(planner.measure_device(session.device))
-    peak = torch.cuda.max_memory_allocated(session.device) if session.cuda else 0
-    if session.pager is not None:  # the block planner resets torch's peak after each of its first steps
-        peak = max(peak, session.pager.highest_peak)
+    budget, peak = session.measured_vram()
     extra = planner.stock_adamw_extra_bytes(
         (ps.param.numel(), ps.param.element_size(), ps.orig_dtype.itemsize) for ps in session.params
         if ps.bucket not in session.moved)

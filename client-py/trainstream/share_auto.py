@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from . import gpushare, planner
+from . import gpushare
 from .blockplan import MARGIN
 from .paging.activations import ActivationPager, ActivationProfiler
 from .units import format_bytes
@@ -77,14 +77,11 @@ def maybe_decide(opt: "TsdAdamW") -> None:
                         "its peak is measured first)")
         return
     s.auto_share = None
-    budget = s.budget.merged(planner.measure_device(s.device))
+    budget, peak = s.measured_vram()
     usable = budget.vram_usable
     if usable is None:
         s.events.append("optimizer_gpu_fraction=auto: no VRAM budget (the device is the CPU): everything stays in tsd")
         return
-    peak = torch.cuda.max_memory_allocated(s.device) if s.cuda else 0
-    if s.pager is not None:  # the block planner read its steps' peaks and reset torch's after each
-        peak = max(peak, s.pager.highest_peak)
     room = max(0, usable - peak - int(usable * MARGIN))
     in_tsd = [(p, w) for p, w in pending.trainable if id(p) in s.by_param]
     choice = gpushare.choose("auto", in_tsd, room, pending.excluded, pending.moment_dtype)
@@ -94,7 +91,7 @@ def maybe_decide(opt: "TsdAdamW") -> None:
         s.events.append(f"optimizer_gpu_fraction=auto {measured}: no parameter's optimizer fits there; "
                         f"everything stays in tsd")
         return
-    if len(choice.ids) == len(in_tsd) and len(s.moved) == 0:
+    if len(choice.ids) == len(in_tsd):
         from .optim import switch_to_device  # the switch of offload="auto" (optim imports this module)
         switch_to_device(opt, f"optimizer_gpu_fraction=auto {measured}: every parameter's optimizer fits")
         return

@@ -365,9 +365,8 @@ def _plan(client: Client, prep: _Prepared, job: Optional[str], budget: Optional[
     else:
         share = gpushare.choose(option, trainable, room, pageable, md_guess)
     if dp is not None:
-        share = dp.agree_share(share, lambda k: gpushare.choose(
-            prep.opts["optimizer_gpu_fraction"], trainable, gpushare.vram_room(measured, demand), pageable, md_guess,
-            limit=k), len(trainable))
+        share = dp.agree_share(share, lambda k: gpushare.choose(option, trainable, room, pageable, md_guess, limit=k),
+                               len(trainable))
     prep.split(share.ids)
     layouts = {md: client.plan_optimizer(**prep.request(md)) if prep.buckets else gpushare.EMPTY_LAYOUT
                for md in MOMENT_DTYPES}
