@@ -68,7 +68,7 @@ def build_model(a: argparse.Namespace) -> Any:
     """The workload's model in host memory: `peers.ARCH[a.arch]` as a Qwen2 causal LM, fp32, random
     weights (normal(0, 0.02), as transformers initialises them) from seed 0, the same on every rank
     and in every mode; gradient checkpointing with --grad-ckpt. On a GPU machine each tensor is
-    drawn on the rank's GPU and copied over (bench/finetune_model.py's host_model: torch draws on
+    drawn on the rank's GPU and copied over (bench/finetune_model.py's drawn_model: torch draws on
     the CPU in one thread, about a minute for a 7B model), one at a time."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -79,8 +79,8 @@ def build_model(a: argparse.Namespace) -> Any:
     torch.manual_seed(0)
     cfg = Qwen2Config(max_position_embeddings=4096, attn_implementation="sdpa", **peers.ARCH[a.arch])  # type: ignore[call-arg]
     if a.device == "cuda":
-        from finetune_model import host_model
-        model = host_model(cfg, torch.float32, "cuda")
+        from finetune_model import drawn_model
+        model = drawn_model(cfg, torch.float32, "cpu", "cuda")
     else:
         model = Qwen2ForCausalLM(cfg)
     if a.grad_ckpt:
