@@ -378,7 +378,7 @@ def decide_activation_offload(session: Session) -> None:
     assert isinstance(prof, ActivationProfiler)
     prof.remove()
     session.act_pager = None
-    if prof.paging:
+    if prof.paging and prof.started_at is None:
         # The first step paged every block's activations beside every block's weights: the peak the
         # weight planner refines from was measured so. Keeping them paged keeps that measurement true
         # (moving them back while the planner moves weights in could overrun the budget at once).
@@ -397,8 +397,18 @@ def decide_activation_offload(session: Session) -> None:
             room = planner.tsd_budget(c.status(), c.jobs(), c.job, 0).tsd_available
         except TsdError:
             room = None  # the daemon's answer is missing: the arena's own error tells if it cannot lend
-    chosen, why = planner.activations_to_page(peak, budget.vram_usable if session.cuda else None, prof.block_bytes,
-                                              room)
+    usable = budget.vram_usable if session.cuda else None
+    if prof.started_at is not None:
+        # Paging started by itself at that block (the step would have passed the VRAM budget): the
+        # peak kept on the device what those blocks would have added, and the decision is made for
+        # that unpaged peak, to the same target the first step kept to (the planner's margin).
+        peak += sum(prof.block_bytes[prof.started_at:])
+        if prof.limit is not None and usable is not None:
+            usable = min(usable, prof.limit)
+        session.events.append(f"activation_offload=auto: the first step paged blocks {prof.started_at}-"
+                              f"{len(prof.blocks) - 1} by itself, from the block where it would have passed "
+                              f"{planner.format_bytes(prof.limit or 0)} of VRAM")
+    chosen, why = planner.activations_to_page(peak, usable, prof.block_bytes, room)
     per_block = ", ".join(planner.format_bytes(n) for n in prof.block_bytes)
     if not chosen:
         session.events.append(f"activation_offload=auto: nothing paged ({why}; saved activations per block: "

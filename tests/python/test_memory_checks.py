@@ -323,6 +323,59 @@ def test_paging_profiler_measures_the_same_and_pages_what_it_measures():
     plain.remove()
 
 
+def test_profiler_starts_paging_where_the_step_would_pass_its_limit():
+    """With a limit, the first step pages by itself from the block where the memory allocated,
+    the remaining blocks at the largest block's bytes so far and the output head would pass it;
+    the blocks before stay on the device, every block is still measured, and the gradients are
+    those of an unpaged step bit for bit. The host comes from make_host() then, once."""
+    from trainstream.memory import PinnedHost
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    per = 4 * (32 * 64 + 2 * 32 * 256)  # what each block saves (test above)
+    readings = iter([0, 0, 5 * per, 5 * per])  # the device's allocated bytes at each block's forward
+    hosts = []
+
+    def make_host():
+        hosts.append(PinnedHost(pin=False))
+        return hosts[-1]
+
+    prof = ActivationProfiler(model, list(model.layers), "cpu", min_bytes=1, limit=9 * per // 2, make_host=make_host,
+                              allocated=lambda: next(readings))
+    prof.install()
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    # Block 1: 0 + 3 blocks = 3 per <= 4.5 per; block 2: 5 per + 2 blocks = 7 per > 4.5 per.
+    assert prof.started_at == 2 and prof.paging and len(hosts) == 1 and prof.host is hosts[0]
+    assert prof.block_bytes == [per] * 4 and prof.paged_bytes == 2 * per and prof.paged_tensors == 2 * 3
+    prof.remove()
+    # Room for everything: nothing starts; without a limit nothing is read.
+    roomy = ActivationProfiler(ref, list(ref.layers), "cpu", min_bytes=1, limit=4 * per, allocated=lambda: 0)
+    roomy.install()
+    ref(x).square().sum().backward()
+    assert roomy.started_at is None and not roomy.paging and roomy.paged_tensors == 0
+    roomy.remove()
+
+
+def test_head_bytes_counts_the_logits_and_the_loss_of_a_language_model_head():
+    from trainstream.paging.activations import HEAD_BYTES_PER_LOGIT, head_bytes
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 100, bias=False)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    hidden = torch.zeros(2, 3, 8)
+    assert head_bytes(LM(), hidden) == 2 * 3 * 100 * HEAD_BYTES_PER_LOGIT
+    assert head_bytes(Tower(), hidden) == 0  # no output head
+    assert head_bytes(LM(), None) == 0  # the block got no positional input
+
+
 # --------------------------------------------------------------------------- wrap() on the CPU
 def tower_of_linears():
     return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -453,6 +506,8 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
                 assert any("activation_offload=auto after the first step" in e for e in session.events)
                 if po == "auto":
                     assert session.pager.paged == {0, 1, 2, 3}
+                else:  # the weights fit, so the first step paged by itself, from block 0 (1 MiB usable)
+                    assert any("paged blocks 0-3 by itself" in e for e in session.events), session.events
         finally:
             trainstream.unwrap(model)
         # After unwrap(): a paged block's parameters are empty tensors while wrapped.

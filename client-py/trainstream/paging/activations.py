@@ -25,7 +25,7 @@ included) runs and is tested.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -259,14 +259,29 @@ class ActivationProfiler(ActivationPager):
     activations need beyond what tsd lent (measured so far, the rest estimated from the blocks
     measured), and what to change; the failed forward's pages go back with its graph and the next
     step measures again. Keeping the rest on the device instead would overrun the budget the
-    plan was made for: measured on the 7B under a 12 GiB cap, that ran out of VRAM in backward."""
+    plan was made for: measured on the 7B under a 12 GiB cap, that ran out of VRAM in backward.
+
+    With `limit` (bytes; the usable VRAM less the planner's margin) and `page=False`, paging starts
+    by itself during the step: at each block's forward, when the memory allocated on the device,
+    plus the remaining blocks' activations at the largest block's bytes so far, plus what the
+    output head will take (`head_bytes`) would pass `limit`, this block and the rest page into
+    the host that `make_host()` gives then (`started_at` records the block). Without it a first
+    step whose activations outgrow the budget while the weights fit ran out of VRAM before
+    anything was measured: Qwen2.5-1.5B at 8x512 under a 16 GiB cap did, at the loss's fp32
+    logits. `allocated` reads the device's allocated bytes (a test passes its own)."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], device: Union[str, torch.device],
                  name: Optional[str] = None, min_bytes: int = _MIN_BYTES, page: bool = False,
-                 host: Optional[HostMemory] = None) -> None:
+                 host: Optional[HostMemory] = None, limit: Optional[int] = None,
+                 make_host: Optional[Callable[[], HostMemory]] = None,
+                 allocated: Optional[Callable[[], int]] = None) -> None:
         super().__init__(model, blocks, device, min_bytes=min_bytes, host=host)
         self.name = name
         self.paging = page
+        self.limit = limit if not page else None
+        self.make_host = make_host
+        self.allocated = allocated or (lambda: torch.cuda.memory_allocated(self.device))
+        self.started_at: Optional[int] = None  # the block where paging started by itself
         self.block_bytes = [0] * len(self.blocks)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
@@ -274,8 +289,23 @@ class ActivationProfiler(ActivationPager):
         self.forwards = 0
 
     def _enter(self, module: nn.Module, args: Any) -> None:
+        i = self._index[id(module)]
+        if self.limit is not None and not self.paging and not self._running and torch.is_grad_enabled():
+            self._maybe_start(i, args)
         super()._enter(module, args)
-        self._running.append((self._index[id(module)], 0))
+        self._running.append((i, 0))
+
+    def _maybe_start(self, i: int, args: Any) -> None:
+        """Starts paging at block `i` when the step, kept on the device, would pass `limit`."""
+        assert self.limit is not None
+        rest = max(self.block_bytes) * (len(self.blocks) - i)
+        need = self.allocated() + rest + head_bytes(self.model, args[0] if args else None)
+        if need <= self.limit:
+            return
+        if self.make_host is not None:
+            self.host = self.make_host()
+        self.paging = True
+        self.started_at = i
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._running:
@@ -310,7 +340,9 @@ class ActivationProfiler(ActivationPager):
         per_block = max(max(self.block_bytes), n)
         more = max(0, per_block * (len(self.blocks) - i) - (n - refused))
         lent = getattr(self.host, "capacity_bytes", 0)
-        return (f"trainstream: the first step under this VRAM budget pages the saved activations of every block of "
+        which = ("every block" if self.started_at is None else
+                 f"blocks {self.started_at}-{len(self.blocks) - 1} (the rest would not fit the VRAM budget)")
+        return (f"trainstream: the first step under this VRAM budget pages the saved activations of {which} of "
                 f"{self.name or 'the model'} to host memory lent by tsd, and tsd can lend no more in block {i} of "
                 f"{len(self.blocks)} ({format_bytes(lent)} lent so far; about {format_bytes(per_block)} per block, "
                 f"so about {format_bytes(more)} more for this step). Keeping the rest on the device would overrun the "
@@ -318,6 +350,28 @@ class ActivationProfiler(ActivationPager):
                 f"{format_bytes(more)} larger (or pass a larger quota= to wrap()), or train with a smaller batch or "
                 f"sequence, or with gradient checkpointing. Nothing was trained: the step can be run again. "
                 f"tsd said: {e}")
+
+
+# Bytes per logit the output head and the loss hold at once: the logits in bf16 (autocast) and the
+# loss's fp32 copy and log-softmax (Hugging Face's ForCausalLMLoss upcasts before cross_entropy).
+HEAD_BYTES_PER_LOGIT = 10
+
+
+def head_bytes(model: nn.Module, hidden: Any) -> int:
+    """What the output head and the loss will take beyond the blocks, for a forward whose blocks
+    get `hidden` (batch..., width): tokens x the head's outputs x HEAD_BYTES_PER_LOGIT, where the
+    model has an output embedding (`get_output_embeddings()`, a language model's head); else 0.
+    At 8x512 tokens and Qwen2's 151,936-word vocabulary that is 5.8 GiB, a third of the step."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        head = None
+    weight = getattr(head, "weight", None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not isinstance(weight, torch.Tensor) \
+            or weight.dim() != 2:
+        return 0
+    return hidden.numel() // hidden.shape[-1] * weight.shape[0] * HEAD_BYTES_PER_LOGIT
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
@@ -364,12 +418,28 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
     arena = _arena(session) if page else None
     if arena is not None:
         session.arena = arena
-    session.act_pager = ActivationProfiler(model, list(blocks), session.device, name=name, page=page, host=arena)
+
+    def make_host() -> HostMemory:
+        if session.arena is None:
+            session.arena = _arena(session)
+        return session.arena
+
+    limit = None
+    if not page:
+        from ..blockplan import MARGIN
+        from ..planner import measure_device
+
+        usable = session.budget.merged(measure_device(session.device)).vram_usable
+        limit = None if usable is None else usable - round(usable * MARGIN)
+    session.act_pager = ActivationProfiler(model, list(blocks), session.device, name=name, page=page, host=arena,
+                                           limit=limit, make_host=make_host)
     session.act_pager.install()
     session.events.append(f"activation_offload=auto: measuring the saved activations of the {len(blocks)} blocks "
                           f"of {name or 'the model'} during the first step"
                           + (", paging them to host memory lent by tsd (the weight planner pages every block in "
-                             "it: the budget is tight)" if page else ""))
+                             "it: the budget is tight)" if page else
+                             f", paging the rest from the block where the step would pass "
+                             f"{format_bytes(limit)} of VRAM" if limit is not None else ""))
 
 
 def _arena(session: Any) -> Any:
