@@ -184,7 +184,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     w: dict[str, Any] = {"arch": a.arch, "params": raw.get("params"), "batch": a.batch, "seq": a.seq, "steps": a.steps,
                          "device": a.device, "dtype": DTYPES.get(mode, "") if a.device == "cuda" else "fp32",
                          "clip": a.clip, "vram_cap_gib": a.cap_gib, **({"grad_ckpt": True} if a.grad_ckpt else {}),
-                         **({"alloc_conf": a.alloc_conf} if getattr(a, "alloc_conf", None) else {})}
+                         **({"alloc_conf": conf} if (conf := getattr(a, "alloc_conf", None)
+                                                     or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")) else {})}
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),

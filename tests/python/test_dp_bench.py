@@ -249,3 +249,27 @@ def test_values_of_a_run_hold_every_ranks_peak_and_tokens_per_second():
                               "status": "ok", "workload": {}, "values": v, "host": {}, "command": "c",
                               "source": "measured"})
     json.dumps(v)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_drawn_model_is_the_model_transformers_builds(tie):
+    """bench/finetune_model.drawn_model (the benchmarks' models drawn on the GPU) has the
+    parameters, the tying and the initialisation's shape of Qwen2ForCausalLM(cfg): untied, the
+    1.5B benchmark model had 233M more parameters than the peers' (tie_word_embeddings)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from finetune_model import drawn_model
+
+    cfg = Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="sdpa", tie_word_embeddings=tie)
+    ref = Qwen2ForCausalLM(cfg)
+    model = drawn_model(cfg, torch.float32, "cpu", "cpu")
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in ref.named_parameters()]
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if name.endswith("norm.weight") or name.endswith(".bias"):
+            assert torch.equal(p, q), name
+        else:
+            assert abs(p.std().item() - 0.02) < 0.002, name
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
