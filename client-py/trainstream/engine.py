@@ -151,6 +151,7 @@ class Session:
         # (share_auto.Pending; None once decided), and the buckets it moved into the share (their
         # ParamSlots stay in `params`, by bucket, but leave `by_param`: tsd gets no more gradients for them).
         self.auto_share: Any = None
+        self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward
         self.moved: set[int] = set()
         self.norm_slot: Any = None
         # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
@@ -475,6 +476,9 @@ class Session:
             self.recorder = None
         self.waits.remove()
         self.waits.pending.clear()  # callers that keep the values (unwrap, the switch) were idle() first
+        if self.head_check is not None:
+            self.head_check.remove()
+            self.head_check = None
         if self.pager is not None:
             self.pager.close()  # the weights come back before the slots go (unwrap() closed it already)
             self.pager = None

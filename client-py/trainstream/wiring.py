@@ -36,6 +36,7 @@ from .engine import ParamSlots, Session
 from ._topology import gpu_pci_bus_id
 from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
+from .paging import first_step
 from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
 from .paging.schedule import check_depth, choose_depth
 from .paging.weights import WeightPager, check_param_offload, weight_blocks
@@ -539,6 +540,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         profile_blocks(session, model, page=tight)
     if session.pager is not None:
         session.pager.install()  # after the activation pager's hooks: its saved-tensor hooks go on top
+        first_step.install(session, model)  # a first plan paging nothing: the head's logits may not fit
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
     if prep.auto_share is not None and handle is not None:

@@ -359,6 +359,37 @@ def test_profiler_starts_paging_where_the_step_would_pass_its_limit():
     roomy.remove()
 
 
+@pytest.mark.parametrize("weights", [False, True])
+def test_decision_after_a_first_step_that_paged_by_itself(weights):
+    """After a first step that began paging at block 2 of 4 (2 blocks' bytes off the device):
+    without a weight planner, the first blocks cover the excess of the unpaged peak over the
+    first step's limit; with one, as many bytes as the step paged (the first two blocks), since
+    the weight planner answers for the measured peak's excess itself."""
+    from types import SimpleNamespace
+    from trainstream.memory import PinnedHost
+    from trainstream.optim import decide_activation_offload
+    from trainstream.planner import Budget
+
+    model = Tower()
+    per = 100 * MiB
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB)
+    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 2, True
+    # Measured 1050 MiB with 200 MiB paged: unpaged 1250 MiB, 250 MiB over the 1000 MiB limit.
+    session = SimpleNamespace(
+        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[],
+        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False,
+        planner=object() if weights else None, pager=SimpleNamespace(reinstall=lambda: None) if weights else None,
+        measured_vram=lambda: (Budget(vram_usable=1100 * MiB), 1050 * MiB))
+    decide_activation_offload(session)
+    pager = session.act_pager
+    chosen = [i for i, b in enumerate(model.layers) if b in pager.blocks]
+    assert chosen == ([0, 1] if weights else [0, 1, 2]), session.events
+    assert any("paged blocks 2-3 by itself (200.00 MiB)" in e for e in session.events), session.events
+    if weights:
+        assert any("the weight planner refines from that step's peak" in e for e in session.events), session.events
+    pager.remove()
+
+
 def test_head_bytes_counts_the_logits_and_the_loss_of_a_language_model_head():
     from trainstream.paging.activations import HEAD_BYTES_PER_LOGIT, head_bytes
 
@@ -648,3 +679,102 @@ def test_paging_profiler_refuses_clearly_what_tsd_cannot_lend_and_the_step_runs_
     assert s.act_pager is not prof and list(s.act_pager.blocks) == list(model.layers)
     assert "stay paged so that the weight planner's measured peak holds" in s.events[-1], s.events
     s.act_pager.remove()
+
+
+class _LM(nn.Module):
+    """A language model's shape for the head check: ids in, logits out of a 1000-word head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 1000, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        for blk in self.layers:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_first_forward_pages_every_block_when_the_head_would_not_fit(monkeypatch):
+    """paging.first_step: at the first training forward, allocated + the head's logits and loss
+    (tokens x vocabulary x 10 bytes) + what is in flight against the planner's target: over it,
+    every block is paged for that step (once, then the hook is gone); under it, nothing moves;
+    an evaluation forward is not the one checked."""
+    from types import SimpleNamespace
+    from trainstream.paging import first_step
+    from trainstream.paging.activations import HEAD_BYTES_PER_LOGIT
+
+    assert first_step.batch_tokens((), {"input_ids": torch.zeros(2, 5, dtype=torch.long)}) == 10
+    assert first_step.batch_tokens((torch.zeros(3, 4, dtype=torch.long),), {}) == 12
+    assert first_step.batch_tokens((), {"inputs_embeds": torch.zeros(2, 5, 16)}) == 10
+    assert first_step.batch_tokens((), {}) is None
+
+    head = 8 * 1000 * HEAD_BYTES_PER_LOGIT  # 2x4 tokens
+    for target, moves in ((MiB + head + 99, True), (MiB + head + 100, False), (MiB + head + 101, False)):
+        model = _LM()
+        moved = []
+        pager = SimpleNamespace(paged=set(), closed=False, blocks=list(model.layers),
+                                move_to=lambda s: (moved.append(sorted(s)), setattr(pager, "paged", set(s))),
+                                install=lambda: moved.append("install"))
+        planner = SimpleNamespace(steps=0, target=target, inflight_bytes=100)  # 1 MiB allocated + head + 100
+        session = SimpleNamespace(pager=pager, planner=planner, cuda=True, device=torch.device("cpu"), events=[],
+                                  head_check=None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: MiB)
+        first_step.install(session, model)
+        assert session.head_check is not None
+        with torch.no_grad():
+            model(input_ids=torch.zeros(2, 4, dtype=torch.long))
+        assert session.head_check is not None and not moved  # evaluation: not checked
+        model(input_ids=torch.zeros(2, 4, dtype=torch.long))
+        assert session.head_check is None
+        if moves:
+            assert moved == [[0, 1, 2, 3], "install"], moved
+            assert any("the first step pages all 4 blocks" in e for e in session.events), session.events
+        else:
+            assert moved == [] and session.events == []
+        model(input_ids=torch.zeros(2, 4, dtype=torch.long))  # the hook is gone
+        assert moved == ([[0, 1, 2, 3], "install"] if moves else [])
+
+
+@cuda
+def test_cuda_head_check_pages_the_first_step_and_changes_no_result(tsd, request):
+    """A Qwen2 model whose weights fit the budget but whose first step's logits (4,096 tokens x a
+    32,000-word head x 10 bytes: 1.2 GiB) do not: the head check pages every block in the first
+    step, the measured peaks move blocks back, and the losses and parameters equal those of the
+    same run without a budget bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(False))
+    cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 32000, (8, 512), generator=g).cuda() for _ in range(4)]
+    out = {}
+    for budget in (None, Budget(vram_usable=512 << 20)):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(cfg).cuda()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters(), **HP), device="cuda",
+                                      socket=tsd.socket, offload=True, budget=budget, check_memory=False,
+                                      param_offload="auto")
+        session = trainstream.unwrap_session(model)
+        losses = []
+        try:
+            for ids in data:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            paged_first = any("the first step pages all 4 blocks" in e for e in session.events)
+            assert paged_first == (budget is not None), session.events
+        finally:
+            trainstream.unwrap(model)
+        out[budget is None] = (losses, [p.detach().clone() for p in model.parameters()])
+    (l0, p0), (l1, p1) = out[True], out[False]
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))

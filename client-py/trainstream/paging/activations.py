@@ -357,21 +357,29 @@ class ActivationProfiler(ActivationPager):
 HEAD_BYTES_PER_LOGIT = 10
 
 
-def head_bytes(model: nn.Module, hidden: Any) -> int:
-    """What the output head and the loss will take beyond the blocks, for a forward whose blocks
-    get `hidden` (batch..., width): tokens x the head's outputs x HEAD_BYTES_PER_LOGIT, where the
-    model has an output embedding (`get_output_embeddings()`, a language model's head); else 0.
-    At 8x512 tokens and Qwen2's 151,936-word vocabulary that is 5.8 GiB, a third of the step."""
+def output_rows(model: nn.Module) -> Optional[int]:
+    """The outputs per token of the model's output embedding (`get_output_embeddings()`, a
+    language model's head: its vocabulary), or None where it has none."""
     get = getattr(model, "get_output_embeddings", None)
     try:
         head = get() if callable(get) else None
     except (AttributeError, NotImplementedError):
         head = None
     weight = getattr(head, "weight", None)
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or not isinstance(weight, torch.Tensor) \
-            or weight.dim() != 2:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    return int(weight.shape[0])
+
+
+def head_bytes(model: nn.Module, hidden: Any) -> int:
+    """What the output head and the loss will take beyond the blocks, for a forward whose blocks
+    get `hidden` (batch..., width): tokens x the head's outputs x HEAD_BYTES_PER_LOGIT, where the
+    model has an output embedding (`output_rows`); else 0. At 8x512 tokens and Qwen2's
+    151,936-word vocabulary that is 5.8 GiB, a third of the step."""
+    rows = output_rows(model)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or rows is None:
         return 0
-    return hidden.numel() // hidden.shape[-1] * weight.shape[0] * HEAD_BYTES_PER_LOGIT
+    return hidden.numel() // hidden.shape[-1] * rows * HEAD_BYTES_PER_LOGIT
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],
