@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..compiled import eager
 from ..units import format_bytes
 from .activations import HEAD_BYTES_PER_LOGIT, output_rows
 
@@ -70,5 +71,6 @@ def install(session: "Session", model: nn.Module) -> None:
             f"{format_bytes(allocated)} allocated that passes the target {format_bytes(plan.target)}; the next steps "
             f"move blocks back by the measured peak")
 
-    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    # Eager under torch.compile, as the pagers' hooks are: it swaps parameters' storage.
+    handle = model.register_forward_pre_hook(eager(check), with_kwargs=True)
     session.head_check = handle
