@@ -216,6 +216,27 @@ def test_checkpoint_and_resume_with_a_gpu_share(tsd, tmp_path, checkpoints, frac
     assert max_diff(whole, resumed) == 0.0
 
 
+def test_resume_from_a_tsd_file_into_a_run_with_a_gpu_share(tsd, tmp_path, checkpoints):
+    """A checkpoint written with the whole optimizer in tsd (its state file) resumes a run with
+    optimizer_gpu_fraction=0.5: the file is loaded by parameter name, each parameter's state where
+    it is now (tsd or the share's torch AdamW). Steps 4-6 then match the uninterrupted all-tsd run
+    within 1e-6 (two AdamWs). A LoRA run is refused from it, changing nothing."""
+    path = checkpoints["llama"]
+    whole = load(path)
+    a = run_ts(tsd, whole, targs(tmp_path / "a", save_strategy="steps", save_steps=3))
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / STATE_FILE).is_file()
+    resumed = load(path)
+    b = run_ts(tsd, resumed, targs(tmp_path / "b"), resume=str(ckpt), optimizer_gpu_fraction=0.5)
+    assert any("optimizer_gpu_fraction=0.5" in e for e in b.tsd_events)
+    assert losses(b) == pytest.approx(losses(a), rel=1e-6)
+    assert grad_norms(b) == pytest.approx(grad_norms(a), rel=1e-6)
+    assert max_diff(whole, resumed) <= 1e-6
+    lora = load(path, lora=True)
+    with pytest.raises(ValueError, match="other trained parameters"):
+        run_ts(tsd, lora, targs(tmp_path / "c", max_steps=4), resume=str(ckpt), optimizer_gpu_fraction=0.5)
+
+
 def test_resume_refuses_another_layout(tsd, tmp_path, checkpoints):
     run_ts(tsd, load(checkpoints["llama"]), targs(tmp_path / "a", max_steps=2, save_strategy="steps", save_steps=2))
     lora = load(checkpoints["llama"], lora=True)

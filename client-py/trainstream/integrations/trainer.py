@@ -189,6 +189,50 @@ def _save_state(opt: TsdAdamW, path: str) -> int:
         os.close(fd)
 
 
+def _load_state_by_name(opt: TsdAdamW, path: str, buckets: list[Any], model: nn.Module, checkpoint: str) -> None:
+    """Loads tsd's state file `path` (bucket b is the parameter named `buckets[b][0]`, of
+    `buckets[b][1]` elements) into a run with a GPU share, through `TsdAdamW.load_state_dict`
+    (torch's layout; each parameter's state goes to tsd or to the share, wherever it is now). The
+    file's tensors are views of a private mapping, not copies. Raises ValueError, changing
+    nothing, when the names or sizes are not this run's trained parameters."""
+    from .. import _state
+
+    if opt._session.dp is not None:
+        raise ValueError(f"{checkpoint} holds tsd's optimizer state file, written with the whole optimizer in tsd, and "
+                         f"this data-parallel run keeps part of it on the GPU (optimizer_gpu_fraction): resume with the "
+                         f"optimizer_gpu_fraction the checkpoint was written with (none, or 'auto')")
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    slots = opt._session.by_param
+    index = {id(p): i for i, p in enumerate(opt._index())}
+    named = [(n, trained.get(n)) for n, _ in buckets]
+    wrong = [f"{n} ({k} elements there)" for (n, k), (_, p) in zip(buckets, named)
+             if p is None or id(p) not in index
+             or (slots[id(p)].param.numel() if id(p) in slots else p.numel()) != int(k)]
+    if wrong or len(buckets) != len(trained):
+        what = ", ".join(wrong[:3]) or f"{len(buckets)} trained tensors there, {len(trained)} here"
+        raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({what}): resume with the "
+                         f"same model, the same trainable parameters (LoRA config) and the same TrainingArguments")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        tensors, _ = _state.read(fd)
+    finally:
+        os.close(fd)
+    e = _state.entry
+    state = {}
+    for b, (_, p) in enumerate(named):
+        assert p is not None
+        step = int(tensors[e(b, "step")][0])
+        if step == 0:
+            continue  # never stepped: torch keeps no state
+        shape = slots[id(p)].shape if id(p) in slots else p.shape  # a paged parameter is empty between uses
+        state[index[id(p)]] = {"step": torch.tensor(float(step)), "exp_avg": tensors[e(b, "exp_avg")].view(shape),
+                               "exp_avg_sq": tensors[e(b, "exp_avg_sq")].view(shape),
+                               "master": tensors[e(b, "master")].view(shape)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+              for g in opt.param_groups]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
 def _load_state(opt: TsdAdamW, path: str) -> None:
     """tsd reads the optimizer's state from `path` (checked against its layout before anything
     changes). A master that does not round to the model's parameter is taken from the parameter."""
@@ -477,13 +521,22 @@ class TrainStreamMixin(_Base):
         if moment_dtype != opt.moment_dtype:
             raise ValueError(f"{checkpoint} holds {moment_dtype} moments and this run chose {opt.moment_dtype}: pass "
                              f"trainstream={{'moment_dtype': {moment_dtype!r}}} to resume from it")
-        mine = self._layout(opt)
-        if [list(b) for b in buckets] != mine or len(groups) != len(opt.param_groups):
-            diff = next((f"{a} there, {b} here" for a, b in zip(buckets, mine) if list(a) != b),
-                        f"{len(buckets)} trained tensors there, {len(mine)} here")
-            raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({diff}): resume with "
-                             f"the same model, the same trainable parameters (LoRA config) and the same TrainingArguments")
-        _load_state(opt, state_path)  # data parallel: every rank calls it, the node's first rank loads
+        if opt._session.share is not None:
+            # This run keeps part of the optimizer on the GPU (optimizer_gpu_fraction); the file was
+            # written with all of it in tsd: it is loaded by parameter name, in torch's layout.
+            if len(groups) != len(opt.param_groups):
+                raise ValueError(f"{checkpoint}'s optimizer has {len(groups)} parameter groups and this run's "
+                                 f"{len(opt.param_groups)}: resume with the same TrainingArguments")
+            _load_state_by_name(opt, state_path, buckets, self._trained_model(), checkpoint)
+        else:
+            mine = self._layout(opt)
+            if [list(b) for b in buckets] != mine or len(groups) != len(opt.param_groups):
+                diff = next((f"{a} there, {b} here" for a, b in zip(buckets, mine) if list(a) != b),
+                            f"{len(buckets)} trained tensors there, {len(mine)} here")
+                raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({diff}): resume "
+                                 f"with the same model, the same trainable parameters (LoRA config) and the same "
+                                 f"TrainingArguments")
+            _load_state(opt, state_path)  # data parallel: every rank calls it, the node's first rank loads
         for saved, group in zip(groups, opt.param_groups):
             for k, v in saved.items():
                 group[k] = tuple(v) if k == "betas" else v
