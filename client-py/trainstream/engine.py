@@ -398,10 +398,11 @@ class Session:
             changed = (self.hyper, self.group_hyper(optimizer))
         for b in sorted(self.finaled):
             ps = self.params[b]
-            if b in deferrable and not ps.paged:
-                # Its module's next forward waits for it (paged buckets: the pager copies from the slot
-                # and does not wait yet, so they are waited for here).
-                self.deferred_versions[b] = ps.param._version
+            if b in deferrable:
+                # Its module's next forward waits for it; a paged bucket's, the pager, before it copies
+                # the block from the slot (its prefetch, depth blocks ahead of the forward).
+                if not ps.paged:
+                    self.deferred_versions[b] = ps.param._version
                 self.waits.defer(b)
                 continue
             self._take_update(b)

@@ -120,6 +120,43 @@ def test_overlap_is_bit_identical(tsd, device, accumulation, clip):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip", [None, "every"])
+def test_overlap_with_paged_weights_defers_their_updates_too(tsd, device, clip, monkeypatch):
+    """param_offload: a paged block's weights are copied from their parameter slots, so their
+    updates are waited for where the pager copies the block (its prefetch in the next forward),
+    not in step(): the step defers them too, no block is copied while one of its updates is still
+    owed, and the run equals the one without overlap bit for bit (10 steps, state dicts read
+    right after step 4)."""
+    from trainstream.paging.weights import WeightPager
+    prefetch, copied_owed = WeightPager._prefetch, []
+
+    def checked(self, b):
+        was_loaded = b.loaded
+        prefetch(self, b)
+        owed = [w.slots.bucket for w in b.weights if w.slots is not None and w.slots.bucket in self.session.waits.pending]
+        if b.paged and not was_loaded and owed:
+            copied_owed.append((b.index, owed))
+
+    monkeypatch.setattr(WeightPager, "_prefetch", checked)
+    limit = 1e-3 if clip else None
+    model = make_gpt(0, layers=4)
+    off = run(tsd, False, device, model=model, max_grad_norm=limit, snapshot_at=4, param_offload=[0, 2])
+    on = run(tsd, True, device, model=model, max_grad_norm=limit, snapshot_at=4, param_offload=[0, 2])
+    assert_same(on, off)
+    assert copied_owed == []
+    assert any("paged from tsd's memory" in e for e in on["events"]), on["events"]
+    n_paged = sum(1 for i in (0, 2) for _ in model.blocks[i].parameters())
+    # Every bucket is deferred after a step from the second on, the paged blocks' among them.
+    assert min(on["pending"][1:]) >= n_paged, on["pending"]
+    assert max(on["pending"][1:]) == len(list(model.parameters())), on["pending"]  # every bucket (the head is tied)
+    for (ma, oa), (mb, ob) in [(on["snap"], off["snap"])]:
+        assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+        for i in oa:
+            for k in ("exp_avg", "exp_avg_sq", "master", "step"):
+                assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_model_waits_for_its_updates(tsd, device):
     """torch.compile, before wrap() or after: the first step runs eagerly (the forward order is
     recorded), then each compiled forward calls the wait hooks (a graph break at each), also where

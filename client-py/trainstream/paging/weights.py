@@ -12,7 +12,9 @@ Where a paged block's weights live (`WeightPager.page(i)`):
 
 How a step goes. The block in use and `depth` prefetched ones are on the device at a time:
 
-* forward: a pre-hook on the model starts the copies of the first `depth` paged blocks; the
+* forward: a pre-hook on the model starts the copies of the first `depth` paged blocks (each copy
+  first completes the updates tsd still owes the block's trained weights: with overlap_forward,
+  `step()` defers them to here); the
   pre-hook of each block makes the compute stream wait for its copy (an event of the copy
   stream), then starts those of the next `depth` paged blocks (`wrap(prefetch_depth=)`; the
   schedule is `paging.schedule`'s); the block's post-hook frees its weights again
@@ -563,8 +565,16 @@ class WeightPager:
         if s.offloading and s.handle is not None and not s.closed:
             s.idle()
 
+    def _await_updates(self, b: _Block) -> None:
+        """Completes the updates tsd still owes block `b`'s trained weights (overlap_forward defers
+        them to the next forward): their slots are what the copies read."""
+        s = self.session
+        if s.waits.pending:
+            s.wait_updates([w.slots.bucket for w in b.weights if w.trained and w.slots is not None])
+
     def _load_now(self, b: _Block, device: torch.device) -> None:
         """Copies block `b`'s weights to `device` on the current stream and waits (between steps)."""
+        self._await_updates(b)
         with torch.no_grad(), torch.inference_mode(False):
             for w in b.weights:
                 t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
@@ -576,6 +586,7 @@ class WeightPager:
         """Starts copying paged block `b` to the device (on the copy stream)."""
         if not b.paged or b.loaded:
             return
+        self._await_updates(b)
         with torch.no_grad(), torch.inference_mode(False):
             if self.cuda:
                 stream = self.stream
