@@ -38,6 +38,14 @@ def entry(bucket, part):
     return f"b{bucket}.{part}"
 
 
+def bucket_states(tensors, buckets):
+    """{bucket: (master, exp_avg, exp_avg_sq, step)} of `buckets` from a state file's tensors
+    (`read()`'s): the tensors as they are (views), the step an int."""
+    e = entry
+    return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
+                int(tensors[e(b, "step")][0])) for b in buckets}
+
+
 def state_dir():
     """Where state files are made: $TRAINSTREAM_STATE_DIR, else the system's temporary directory."""
     return os.environ.get("TRAINSTREAM_STATE_DIR") or tempfile.gettempdir()

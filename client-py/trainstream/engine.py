@@ -460,9 +460,7 @@ class Session:
             tensors, _ = _state.read(fd)
         finally:
             os.close(fd)
-        e = _state.entry
-        return {b: (tensors[e(b, "master")], tensors[e(b, "exp_avg")], tensors[e(b, "exp_avg_sq")],
-                    int(tensors[e(b, "step")][0])) for b in wanted}
+        return _state.bucket_states(tensors, wanted)
 
     def release(self, keep_pager: bool = False) -> None:
         """Removes the hooks and gives the job's memory back (when this session owns the client).

@@ -137,13 +137,11 @@ class TsdAdamW(torch.optim.Optimizer):
                 st = s.share.state_of(e.param)
                 if st is not None:
                     state[index[id(e.param)]] = st
-        for b, (master, m, v, step) in per_bucket.items():
-            if step == 0:
+        for b, st in per_bucket.items():
+            if st[3] == 0:
                 continue  # torch keeps no state for a parameter never stepped
             ps = s.params[b]
-            shape = ps.shape  # a paged parameter is an empty tensor between uses
-            state[index[id(ps.param)]] = {"step": torch.tensor(float(step)), "exp_avg": m.view(shape),
-                                          "exp_avg_sq": v.view(shape), "master": master.view(shape)}
+            state[index[id(ps.param)]] = torch_state(st, ps.shape)  # a paged parameter is empty between uses
         sd["state"] = dict(sorted(state.items()))
         return sd
 
@@ -367,6 +365,14 @@ def _master_rounds_to_param(ps: ParamSlots) -> bool:
     return True
 
 
+def torch_state(st: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], shape: torch.Size) -> dict[str, Any]:
+    """One bucket's (master, exp_avg, exp_avg_sq, step) in torch.optim.AdamW's layout, as views of
+    `shape` (plus tsd's "master")."""
+    master, m, v, step = st
+    return {"step": torch.tensor(float(step)), "exp_avg": m.view(shape), "exp_avg_sq": v.view(shape),
+            "master": master.view(shape)}
+
+
 def decide_activation_offload(session: Session) -> None:
     """activation_offload="auto", after the first step: from the step's VRAM peak and the bytes
     each block saved (the profiler's), pages the activations of the blocks needed to fit the
@@ -398,7 +404,7 @@ def decide_activation_offload(session: Session) -> None:
         except TsdError:
             room = None  # the daemon's answer is missing: the arena's own error tells if it cannot lend
     usable = budget.vram_usable if session.cuda else None
-    weights_refine = False
+    excess = None
     if prof.started_at is not None:
         # Paging started by itself at that block (the step would have passed the VRAM budget).
         paged = sum(prof.block_bytes[prof.started_at:])
@@ -413,13 +419,10 @@ def decide_activation_offload(session: Session) -> None:
             # measurement holds, and let it answer for any excess. Covering the excess here too
             # answers it twice: measured on the H100 under a 12 GiB cap, a 0.5 GiB excess paged ten
             # blocks' weights and every block's activations.
-            peak, weights_refine = usable + paged, True
+            excess = paged
         else:
             peak += paged  # the decision is made for the unpaged peak, to the first step's target
-    chosen, why = planner.activations_to_page(peak, usable, prof.block_bytes, room)
-    if weights_refine:
-        why = (f"as many bytes as the first step paged, on the first blocks ({why.split('; ')[-1]}); the weight "
-               f"planner refines from that step's peak")
+    chosen, why = planner.activations_to_page(peak, usable, prof.block_bytes, room, excess=excess)
     per_block = ", ".join(planner.format_bytes(n) for n in prof.block_bytes)
     if not chosen:
         session.events.append(f"activation_offload=auto: nothing paged ({why}; saved activations per block: "

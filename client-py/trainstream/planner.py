@@ -507,19 +507,27 @@ def stock_adamw_fits(peak: int, extra: int, usable: Optional[int]) -> tuple[bool
 
 
 def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[int],
-                        tsd_room: Optional[int] = None) -> tuple[list[int], str]:
+                        tsd_room: Optional[int] = None, excess: Optional[int] = None) -> tuple[list[int], str]:
     """`activation_offload="auto"`'s decision after the first step: which blocks' saved
     activations to page, given the step's VRAM `peak`, the `usable` VRAM (None: a CPU device, no
     VRAM to save) and the bytes each block saved (`ActivationProfiler.block_bytes`). Nothing when
     the peak fits; else the first blocks (their activations are made first and needed last) until
     what they page covers the excess, or every block that saved anything when even that falls
     short; never more than `tsd_room` bytes (what tsd can still lend the job; None: no limit).
+    `excess` gives the bytes to cover instead of the peak's excess: after a first step that paged
+    by itself beside a weight planner, as many as it paged (the planner answers for the rest).
     Returns (block indices, explanation)."""
     if usable is None:
         return [], "the device is the CPU: paging saves no VRAM"
-    if peak <= usable:
+    if excess is not None:
+        head = (f"as many bytes as the first step paged ({format_bytes(excess)}), on the first blocks; the weight "
+                f"planner refines from that step's peak")
+    elif peak <= usable:
         return [], f"the first step's peak {format_bytes(peak)} fits in the usable VRAM {format_bytes(usable)}"
-    excess = peak - usable
+    else:
+        excess = peak - usable
+        head = (f"the first step's peak {format_bytes(peak)} exceeds the usable VRAM {format_bytes(usable)} by "
+                f"{format_bytes(excess)}")
     chosen: list[int] = []
     paged = 0
     capped = False
@@ -533,8 +541,7 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
             break
         chosen.append(i)
         paged += n
-    why = (f"the first step's peak {format_bytes(peak)} exceeds the usable VRAM {format_bytes(usable)} by "
-           f"{format_bytes(excess)}; the chosen blocks saved {format_bytes(paged)}")
+    why = f"{head}; the chosen blocks saved {format_bytes(paged)}"
     if capped:
         why += (f" (as many blocks as the {format_bytes(tsd_room or 0)} tsd can still lend the job hold: pass a larger "
                 f"quota= or start tsd with a larger --pool-size to page more)")

@@ -1,5 +1,5 @@
-"""The token data the Hugging Face tests train on, shared by the in-process tests and the
-data-parallel worker processes (which cannot import a test module)."""
+"""The token data the Hugging Face tests train on, and their plain training loop, shared by the
+in-process tests and the data-parallel worker processes (which cannot import a test module)."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +19,16 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train_causal_lm(model, opt, batches) -> list:
+    """Trains a causal LM one step per batch of token ids (the labels are the inputs); the losses."""
+    model.train()
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

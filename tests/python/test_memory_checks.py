@@ -391,7 +391,7 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
 
 
 def test_head_bytes_counts_the_logits_and_the_loss_of_a_language_model_head():
-    from trainstream.paging.activations import HEAD_BYTES_PER_LOGIT, head_bytes
+    from trainstream.paging.activations import HEAD_BYTES_PER_LOGIT, head_bytes, hidden_tokens, output_rows
 
     class LM(nn.Module):
         def __init__(self):
@@ -402,9 +402,9 @@ def test_head_bytes_counts_the_logits_and_the_loss_of_a_language_model_head():
             return self.head
 
     hidden = torch.zeros(2, 3, 8)
-    assert head_bytes(LM(), hidden) == 2 * 3 * 100 * HEAD_BYTES_PER_LOGIT
-    assert head_bytes(Tower(), hidden) == 0  # no output head
-    assert head_bytes(LM(), None) == 0  # the block got no positional input
+    assert head_bytes(output_rows(LM()), hidden_tokens(hidden)) == 2 * 3 * 100 * HEAD_BYTES_PER_LOGIT
+    assert head_bytes(output_rows(Tower()), hidden_tokens(hidden)) == 0  # no output head
+    assert head_bytes(output_rows(LM()), hidden_tokens(None)) == 0  # the block got no positional input
 
 
 # --------------------------------------------------------------------------- wrap() on the CPU
@@ -748,6 +748,7 @@ def test_cuda_head_check_pages_the_first_step_and_changes_no_result(tsd, request
     step, the measured peaks move blocks back, and the losses and parameters equal those of the
     same run without a budget bit for bit."""
     transformers = pytest.importorskip("transformers")
+    from hf_data import train_causal_lm
     torch.use_deterministic_algorithms(True, warn_only=True)
     request.addfinalizer(lambda: torch.use_deterministic_algorithms(False))
     cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -763,14 +764,8 @@ def test_cuda_head_check_pages_the_first_step_and_changes_no_result(tsd, request
                                       socket=tsd.socket, offload=True, budget=budget, check_memory=False,
                                       param_offload="auto")
         session = trainstream.unwrap_session(model)
-        losses = []
         try:
-            for ids in data:
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = train_causal_lm(model, opt, data)
             paged_first = any("the first step pages all 4 blocks" in e for e in session.events)
             assert paged_first == (budget is not None), session.events
         finally:

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import trainstream  # noqa: E402
 from trainstream import quant as Q  # noqa: E402
 from trainstream.integrations.huggingface import load_model  # noqa: E402
+from hf_data import train_causal_lm  # noqa: E402
 
 VOCAB = 96
 LORA = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
@@ -52,31 +53,19 @@ def pair(d, kind, device):
     return model, ref
 
 
-def train(model, opt, batches):
-    model.train()
-    losses = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def run(tsd, tmp_path, kind, device):
     d = saved_llama(tmp_path)
     model, ref = pair(d, kind, device)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g).to(device)] * 6  # one batch: the loss must fall
     hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-    a = train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False, **hp), batches)
+    a = train_causal_lm(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], foreach=False, **hp), batches)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **hp)
     model, opt = trainstream.wrap(model, opt, device=device, socket=tsd.socket)
     try:
         session = trainstream.unwrap_session(model)
         assert session is not None and len(session.params) == 3 * 3 * 2  # LoRA A and B of 3 modules x 3 layers
-        b = train(model, opt, batches)
+        b = train_causal_lm(model, opt, batches)
     finally:
         trainstream.unwrap(model)
     return a, b, model
@@ -108,7 +97,7 @@ def test_wrap_quantize_equals_load_model_quantize(tsd, tmp_path):
             q = model.base_model.model.model.layers[1].mlp.up_proj
             assert isinstance(q, Q.QuantizedLinear)
             assert all(Q.quantized_of(p) is None for p in model.parameters() if p.requires_grad)
-            runs.append(train(model, opt, [ids] * 3))
+            runs.append(train_causal_lm(model, opt, [ids] * 3))
         finally:
             trainstream.unwrap(model)
     assert runs[0] == runs[1]

@@ -63,7 +63,7 @@ from transformers.utils import logging as hf_logging
 
 from ..blockplan import ACTIVATION_RESERVE
 from ..engine import Session
-from ..optim import TsdAdamW
+from ..optim import TsdAdamW, torch_state
 from ..planner import measure_device
 from ..wiring import OPTIONS, unwrap_session, wrap
 
@@ -204,10 +204,11 @@ def _load_state_by_name(opt: TsdAdamW, path: str, buckets: list[Any], model: nn.
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     slots = opt._session.by_param
     index = {id(p): i for i, p in enumerate(opt._index())}
+    # A parameter's shape: a paged one is an empty tensor between uses, its slots keep the shape.
+    shapes = {id(p): slots[id(p)].shape if id(p) in slots else p.shape for p in trained.values()}
     named = [(n, trained.get(n)) for n, _ in buckets]
     wrong = [f"{n} ({k} elements there)" for (n, k), (_, p) in zip(buckets, named)
-             if p is None or id(p) not in index
-             or (slots[id(p)].param.numel() if id(p) in slots else p.numel()) != int(k)]
+             if p is None or id(p) not in index or p.numel() != int(k)]  # the sizes _layout() wrote
     if wrong or len(buckets) != len(trained):
         what = ", ".join(wrong[:3]) or f"{len(buckets)} trained tensors there, {len(trained)} here"
         raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({what}): resume with the "
@@ -217,17 +218,12 @@ def _load_state_by_name(opt: TsdAdamW, path: str, buckets: list[Any], model: nn.
         tensors, _ = _state.read(fd)
     finally:
         os.close(fd)
-    e = _state.entry
     state = {}
-    for b, (_, p) in enumerate(named):
+    for b, st in _state.bucket_states(tensors, range(len(named))).items():
+        p = named[b][1]
         assert p is not None
-        step = int(tensors[e(b, "step")][0])
-        if step == 0:
-            continue  # never stepped: torch keeps no state
-        shape = slots[id(p)].shape if id(p) in slots else p.shape  # a paged parameter is empty between uses
-        state[index[id(p)]] = {"step": torch.tensor(float(step)), "exp_avg": tensors[e(b, "exp_avg")].view(shape),
-                               "exp_avg_sq": tensors[e(b, "exp_avg_sq")].view(shape),
-                               "master": tensors[e(b, "master")].view(shape)}
+        if st[3] != 0:  # never stepped: torch keeps no state
+            state[index[id(p)]] = torch_state(st, shapes[id(p)])
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
               for g in opt.param_groups]
     opt.load_state_dict({"state": state, "param_groups": groups})

@@ -282,6 +282,7 @@ class ActivationProfiler(ActivationPager):
         self.make_host = make_host
         self.allocated = allocated or (lambda: torch.cuda.memory_allocated(self.device))
         self.started_at: Optional[int] = None  # the block where paging started by itself
+        self.rows = output_rows(model) if self.limit is not None else None  # the LM head's outputs per token
         self.block_bytes = [0] * len(self.blocks)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
@@ -299,7 +300,7 @@ class ActivationProfiler(ActivationPager):
         """Starts paging at block `i` when the step, kept on the device, would pass `limit`."""
         assert self.limit is not None
         rest = max(self.block_bytes) * (len(self.blocks) - i)
-        need = self.allocated() + rest + head_bytes(self.model, args[0] if args else None)
+        need = self.allocated() + rest + head_bytes(self.rows, hidden_tokens(args[0] if args else None))
         if need <= self.limit:
             return
         if self.make_host is not None:
@@ -371,15 +372,18 @@ def output_rows(model: nn.Module) -> Optional[int]:
     return int(weight.shape[0])
 
 
-def head_bytes(model: nn.Module, hidden: Any) -> int:
-    """What the output head and the loss will take beyond the blocks, for a forward whose blocks
-    get `hidden` (batch..., width): tokens x the head's outputs x HEAD_BYTES_PER_LOGIT, where the
-    model has an output embedding (`output_rows`); else 0. At 8x512 tokens and Qwen2's
-    151,936-word vocabulary that is 5.8 GiB, a third of the step."""
-    rows = output_rows(model)
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or rows is None:
+def head_bytes(rows: Optional[int], tokens: int) -> int:
+    """What the output head and the loss will take beyond the blocks for `tokens` tokens: tokens
+    x the head's outputs (`rows`, `output_rows`'s; None: no head, 0) x HEAD_BYTES_PER_LOGIT. At
+    8x512 tokens and Qwen2's 151,936-word vocabulary that is 5.8 GiB, a third of the step."""
+    return 0 if rows is None else tokens * rows * HEAD_BYTES_PER_LOGIT
+
+
+def hidden_tokens(hidden: Any) -> int:
+    """The tokens of a block's input `hidden` (batch..., width); 0 where it is not such a tensor."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
         return 0
-    return hidden.numel() // hidden.shape[-1] * rows * HEAD_BYTES_PER_LOGIT
+    return hidden.numel() // hidden.shape[-1]
 
 
 def page_blocks(session: Any, model: nn.Module, name: Optional[str], block_list: Union[nn.ModuleList, Sequence[nn.Module]],

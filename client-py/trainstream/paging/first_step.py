@@ -24,7 +24,7 @@ from torch import nn
 
 from ..compiled import eager
 from ..units import format_bytes
-from .activations import HEAD_BYTES_PER_LOGIT, output_rows
+from .activations import HEAD_BYTES_PER_LOGIT, head_bytes, output_rows
 
 if TYPE_CHECKING:
     from ..engine import Session
@@ -45,8 +45,8 @@ def batch_tokens(args: tuple, kwargs: dict[str, Any]) -> Optional[int]:
 def install(session: "Session", model: nn.Module) -> None:
     """Registers the head check (see the module docstring) when the first plan pages nothing and
     the model has an output head; keeps the handle in `session.head_check`."""
-    pager, plan = session.pager, session.planner
-    if pager is None or plan is None or pager.paged or not session.cuda or output_rows(model) is None:
+    pager, plan, rows = session.pager, session.planner, output_rows(model)
+    if pager is None or plan is None or pager.paged or not session.cuda or rows is None:
         return
 
     def check(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -54,10 +54,10 @@ def install(session: "Session", model: nn.Module) -> None:
             return  # an evaluation forward: the first training one is checked
         handle.remove()
         session.head_check = None
-        tokens, rows = batch_tokens(args, kwargs), output_rows(model)
-        if tokens is None or rows is None or pager.paged or pager.closed or plan.steps:
+        tokens = batch_tokens(args, kwargs)
+        if tokens is None or pager.paged or pager.closed or plan.steps:
             return
-        head = tokens * rows * HEAD_BYTES_PER_LOGIT
+        head = head_bytes(rows, tokens)
         allocated = torch.cuda.memory_allocated(session.device)
         need = allocated + head + plan.inflight_bytes
         if need <= plan.target:
