@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _report, _state
+from .allocator import SegmentSwitch
 from .client import Client
 from .errors import TsdError, error_class
 from .memory import HostArena, PinnedHost
@@ -106,6 +107,8 @@ class Session:
         self.max_grad_norm = float(options["max_grad_norm"] or 0.0)
         self.accumulation_steps = int(options["accumulation_steps"])
         self.check_memory = bool(options.get("check_memory", True))
+        # wrap(expandable_segments=): the allocator's segments once a budget binds (allocator.py)
+        self.segments = SegmentSwitch(options.get("expandable_segments", False), self.cuda)
         self.offload = options["offload"]
         self.param_dtype = options.get("param_dtype")
         self.act_pager: Optional[ActivationPager] = None  # with activation_offload=
@@ -495,6 +498,7 @@ class Session:
             ps.master = ps.grad_slot = ps.param_slot = None
         self.norm_slot = None
         self.handle = None
+        self.segments.restore()
         if self.owns_client and self.client is not None:
             try:
                 self.client.close()

@@ -434,6 +434,10 @@ def decide_activation_offload(session: Session) -> None:
         # The first step's cached segments were cut for its own pattern (nothing, or other blocks,
         # paged); kept, they fragment the next steps' under a cap. Measured on the H100 (1.5B,
         # 16 GiB cap): step 2 ran out of VRAM with 10.1 GiB allocated and 4.0 GiB cached unused.
+        # From now on, segments that grow (allocator.py), unless the user chose otherwise.
+        event = session.segments.tight(f"activations of {len(chosen)} blocks are paged to fit the budget")
+        if event:
+            session.events.append(event)
         torch.cuda.empty_cache()
     check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
 

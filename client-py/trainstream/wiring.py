@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import gpushare, planner, resume, share_auto
+from . import allocator, gpushare, planner, resume, share_auto
 from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
@@ -56,7 +56,8 @@ OPTIONS: dict[str, Any] = {
     "offload": "auto", "moment_dtype": "auto", "max_grad_norm": None, "accumulation_steps": 1, "check_memory": True,
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
-    "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0}
+    "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0,
+    "expandable_segments": "auto"}
 OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 
@@ -138,6 +139,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     parse_bytes(out["quota"])  # a bad size is refused before anything happens
     resume.check_options(out)
     out["optimizer_gpu_fraction"] = gpushare.check_fraction(out["optimizer_gpu_fraction"])
+    out["expandable_segments"] = allocator.check_option(out["expandable_segments"])
     if out["optimizer_gpu_fraction"] != 0.0 and (out["resume"] or out["keep_for"]):
         raise ValueError("optimizer_gpu_fraction keeps part of the optimizer's state in this process, which tsd "
                          "cannot keep for a later trainer: pass optimizer_gpu_fraction=0 with resume= or keep_for=")
@@ -425,6 +427,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     distributed="auto" | True | False: data parallel over torch.distributed ("auto": when a group of
     more than one rank is initialized); the ranks sharing a tsd share one optimizer in it (see
     docs/distributed.md).
+    expandable_segments="auto" | True | False: the CUDA caching allocator's segments ("auto":
+    expandable from the moment a VRAM budget makes tsd page weights or activations, unless
+    PYTORCH_CUDA_ALLOC_CONF names expandable_segments; True: from wrap(); False: left alone; the
+    setting is process-wide and switched back at unwrap(); see allocator.py).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     t_start = time.perf_counter()
@@ -471,6 +477,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         raise
 
     session = Session(device, client, owns_client, opts, budget)
+    if event := session.segments.at_wrap():
+        session.events.append(event)
     session.param_names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     resumed = resume.start(session, client, prep.buckets, report, bool(opts["keep_for"]), dp)
     session.handle = handle

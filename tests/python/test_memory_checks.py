@@ -367,6 +367,7 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
     the weight planner answers for the measured peak's excess itself."""
     from types import SimpleNamespace
     from trainstream.memory import PinnedHost
+    from trainstream.allocator import SegmentSwitch
     from trainstream.optim import decide_activation_offload
     from trainstream.planner import Budget
 
@@ -380,10 +381,17 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
         arena=PinnedHost(pin=False), memory_plan=None, check_memory=False,
         planner=object() if weights else None, pager=SimpleNamespace(reinstall=lambda: None) if weights else None,
         measured_vram=lambda: (Budget(vram_usable=1100 * MiB), 1050 * MiB))
+    switched: list[object] = []
+    session.segments = SegmentSwitch("auto", cuda=True, setter=switched.append, env={},
+                                     release=lambda: switched.append("release"))
     decide_activation_offload(session)
     pager = session.act_pager
     chosen = [i for i, b in enumerate(model.layers) if b in pager.blocks]
     assert chosen == ([0, 1] if weights else [0, 1, 2]), session.events
+    # Paging to fit the budget: the allocator makes expandable segments from now on (allocator.py).
+    assert switched == [True, "release"]
+    assert any(e.startswith(f"allocator: activations of {len(chosen)} blocks are paged") for e in session.events)
+    session.segments.restore()
     assert any("paged blocks 2-3 by itself (200.00 MiB)" in e for e in session.events), session.events
     if weights:
         assert any("the weight planner refines from that step's peak" in e for e in session.events), session.events

@@ -432,6 +432,11 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
         session.arena = arena
 
     def make_host() -> HostMemory:
+        # The first step starts paging by itself: the budget binds (allocator.py).
+        segments = getattr(session, "segments", None)
+        event = segments.tight("the first step pages activations to fit") if segments is not None else None
+        if event:
+            session.events.append(event)
         if session.arena is None:
             session.arena = _arena(session)
         return session.arena

@@ -467,6 +467,11 @@ class WeightPager:
     def move_to(self, paged: set[int]) -> None:
         """Pages and unpages blocks so that `paged` are the paged ones (paging out first)."""
         now = self.paged
+        if paged and not now:  # the budget binds: fixed allocator segments would fragment (allocator.py)
+            segments = getattr(self.session, "segments", None)
+            event = segments.tight(f"the weights of {len(paged)} blocks are paged") if segments is not None else None
+            if event:
+                self.session.events.append(event)
         for i in sorted(paged - now):
             self.page(i)
         for i in sorted(now - paged):
