@@ -150,9 +150,11 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
         fb = stock_fb if stock_fb else (fwd_bwd(vals) or 0.0)
         bound = stream.bound_s(fb, host_bytes, bw)
         step = median([v["step_s_median"] for v in vals])
+        window = median([v["step_s_window"] for v in vals if v.get("step_s_window") is not None])
         out.append(f"  {mode}: {vals[0]['host_bytes_per_param']} B/param, host {host_bytes / (bw * 1e9):.3f} s, "
                    f"GPU {fb:.3f} s, bound {bound:.3f} s"
-                   + (f", step {step:.3f} s ({step / bound:.2f}x the bound)" if step and bound else ""))
+                   + (f", step {step:.3f} s ({step / bound:.2f}x the bound)" if step and bound else "")
+                   + (f", window {window:.3f} s/step drained ({window / bound:.2f}x)" if window and bound else ""))
     return out
 
 
@@ -198,7 +200,7 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     return w
 
 
-VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "peak_gib": "vram_torch_peak_gib",
+VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
               "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",

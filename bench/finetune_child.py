@@ -110,11 +110,17 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     # tsd's global gradient norm of each step (what it clipped by), as peers.py records its own
     norms: Optional[list[Optional[float]]] = [] if session is not None and a.clip else None
+    # The settled window: from the third step's start to the end of the last, its updates drained
+    # (overlap_forward pays a step's updates in the next forward; the last step's are owed at the
+    # end). Its mean is a step's whole work, whatever moved between steps.
+    window_start: Optional[float] = None
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
         prof = start_profile(cuda) if step + 1 == a.profile_step else None
         t = time.perf_counter()
+        if step == min(2, a.steps - 1):
+            window_start = t
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         if loader is not None:  # the next batch from the workers (the wait counts in the step)
             ids = next(loader).to(a.device, non_blocking=True)
@@ -157,6 +163,13 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             fwd_ms.append((tb - t) * 1e3)
             bwd_ms.append((ts - tb) * 1e3)
 
+    if session is not None and hasattr(opt, "synchronize"):
+        opt.synchronize()  # the last step's updates, owed with overlap_forward
+    sync()
+    window_steps = a.steps - min(2, a.steps - 1) if a.steps else 0
+    profiled_in_window = a.profile_step and a.profile_step > a.steps - window_steps
+    step_s_window = ((time.perf_counter() - window_start) / window_steps
+                     if window_start is not None and window_steps and not profiled_in_window else None)
     if norms is not None and a.steps:
         norms.append(opt.last_grad_norm)
 
@@ -199,7 +212,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
                     check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
-        clip=a.clip, step_s_median=med(times), steps=times,
+        clip=a.clip, step_s_median=med(times), steps=times, step_s_window=step_s_window,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
         param_dtype=str(param_dtype), activation_offload=activation_offload,

@@ -65,8 +65,10 @@ ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device"
            "host": "host_pss_peak_gib", "tsd": "tsd_used_gib", "tsd_peak": "tsd_used_peak_gib", "rss": "rss_peak_gib",
            "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step",
            "host_bound": "host_check_bound_gib", "host_ok": "host_within_check",
-           "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share"}
-HEADERS = {"step_s_median": "s/step", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
+           "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share",
+           "window": "step_s_window", "window_of_bound": "window_over_bound"}
+HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
+           "window_over_bound": "window x the bound", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
            "tsd_used_gib": "tsd used GiB", "tsd_used_peak_gib": "tsd used GiB (peak)", "rss_peak_gib": "peak RSS GiB",
            "gpu_forward_ms": "GPU forward ms", "gpu_backward_ms": "GPU backward ms", "step_wait_ms": "step() waits ms",
@@ -160,7 +162,7 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "clip_bit_share": "{:.2f}",
+FORMATS = {"tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "window_over_bound": "{:.2f}", "step_s_window": "{:.3f}", "clip_bit_share": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
@@ -557,7 +559,7 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     prints it: `host_s` (host bytes per step / STREAM), `bound_s` (the longer of that and the GPU's
     forward + backward: the median of stock's in the same run where it ran (its whole step where
     only that was timed), else the record's own)
-    and `step_over_bound` (its step / the bound)."""
+    and `step_over_bound` (its step / the bound; `window_over_bound` for the drained window)."""
     by_run: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_run.setdefault(r["run_id"], []).append(r)
@@ -579,6 +581,8 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         extra = {"host_s": host_s, "bound_s": bound}
         if bound > 0 and isinstance(v.get("step_s_median"), (int, float)):
             extra["step_over_bound"] = v["step_s_median"] / bound
+        if bound > 0 and isinstance(v.get("step_s_window"), (int, float)):
+            extra["window_over_bound"] = v["step_s_window"] / bound
         out.append({**r, "values": {**v, **extra}})
     return out
 

@@ -213,6 +213,7 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert ok["workload"]["params"] > 0 and ok["workload"]["device"] == "cpu"
     v = ok["values"]
     assert len(v["step_s"]) == 2 and v["step_s_median"] > 0  # the profiled third step is left out
+    assert v.get("step_s_window") is None  # the profiled step is in the window: no drained mean
     # tsd's norm of every step (what it clipped by), and where setup's time went
     assert len(v["grad_norms"]) == 3 and all(n > 0 for n in v["grad_norms"])
     assert v["wrap_s"] > 0 and v["build_s"] > 0 and "registration in tsd" in ok["raw"]["wrap_event"]
@@ -240,6 +241,8 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     *_, cont = benchlib.read_results(str(results))
     assert (cont["run_id"], cont["order"], cont["repeat"], cont["status"]) == (ok["run_id"], 2, 1, "ok")
+    # Without a profiled step, the window (third step to the drained end) gives a mean per step.
+    assert cont["values"]["step_s_window"] > 0 and len(cont["values"]["step_s"]) == 3
     assert f"2 round(s); run {ok['run_id']}" in again.stdout
     other = subprocess.run(more + ["--run-id", ok["run_id"], "--batch", "4"], capture_output=True, text=True,
                            timeout=60, cwd=ROOT)
