@@ -49,7 +49,9 @@ over calls to the GPU machine): the new rounds are numbered after its rounds, an
 --once modes are not run again. A peer that is not installed (or a mode
 that needs a GPU on --device cpu) is recorded as skipped with the reason. Without --socket it starts
 build/bin/tsd (--tsd-bin) on a private socket with --pool-size. Each measured run becomes one record:
-step times (median of steps 3+), peak VRAM from torch (max_memory_allocated) and for the whole
+step times (the median of the settled steps: from the third, or from the first after tsd's last
+"auto" decision from measured steps, whichever is later; and the drained window, the settled
+steps' wall time with the last one's updates completed, per step), peak VRAM from torch (max_memory_allocated) and for the whole
 device (NVML, sampled, less what was in use before), host memory as PSS of the trainer plus tsd
 (sampled; tsd's regions counted once) beside tsd's own used_bytes, peak RSS (wait4), and for tsd
 modes where a step's time goes (GPU forward and backward from CUDA events, the wall time step()
@@ -200,7 +202,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     return w
 
 
-VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window", "peak_gib": "vram_torch_peak_gib",
+VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window",
+              "settled_after": "settled_after", "first_settled_step": "first_settled_step", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
               "paged_gib_per_step": "paged_gib_per_step", "grad_norms": "grad_norms",
@@ -441,7 +444,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
         a.modes_list)], "cols": ["step,vram,vram_device,host,host_bound,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
-    print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of steps 3+), "
+    print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of the settled steps), "
           f"{first_round + a.repeats} round(s); run {rec.run_id}, recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))
     if measured_stream:

@@ -110,17 +110,20 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     # tsd's global gradient norm of each step (what it clipped by), as peers.py records its own
     norms: Optional[list[Optional[float]]] = [] if session is not None and a.clip else None
-    # The settled window: from the third step's start to the end of the last, its updates drained
-    # (overlap_forward pays a step's updates in the next forward; the last step's are owed at the
-    # end). Its mean is a step's whole work, whatever moved between steps.
-    window_start: Optional[float] = None
+    # The figures are of the settled steps: from the third, or from the first after every "auto"
+    # decision of tsd was made (the weight plan settled, the activation pages and the GPU share
+    # chosen; they take up to five steps), whichever is later. The window runs from that step's start
+    # to the end of the last, its updates drained (overlap_forward pays a step's updates in the next
+    # forward; the last step's are owed at the end): its mean is a step's whole work.
+    settled_after: Optional[int] = None  # steps run when every decision had been made
+    starts: list[float] = []
+    timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
         prof = start_profile(cuda) if step + 1 == a.profile_step else None
         t = time.perf_counter()
-        if step == min(2, a.steps - 1):
-            window_start = t
+        starts.append(t)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         if loader is not None:  # the next batch from the workers (the wait counts in the step)
             ids = next(loader).to(a.device, non_blocking=True)
@@ -152,10 +155,13 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             now = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             retries.append(now - retries_seen)
             retries_seen = now
+        if settled_after is None and decisions_made(session):
+            settled_after = step + 1
         if prof is not None:  # the profiled step is left out of the figures: the profiler slows it
             end_profile(prof, a.entry or a.mode)  # the --modes entry: MODE and MODE:uncapped apart
             continue
         times.append(time.perf_counter() - t)
+        timed.append(step)
         if cuda:
             fwd_ms.append(ev[0].elapsed_time(ev[1]))
             bwd_ms.append(ev[1].elapsed_time(ev[2]))
@@ -166,10 +172,19 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if session is not None and hasattr(opt, "synchronize"):
         opt.synchronize()  # the last step's updates, owed with overlap_forward
     sync()
-    window_steps = a.steps - min(2, a.steps - 1) if a.steps else 0
-    profiled_in_window = a.profile_step and a.profile_step > a.steps - window_steps
-    step_s_window = ((time.perf_counter() - window_start) / window_steps
-                     if window_start is not None and window_steps and not profiled_in_window else None)
+    first = min(2, a.steps - 1)  # the first settled step (0-based)
+    if settled_after is not None and settled_after < a.steps:
+        first = max(first, settled_after)
+    window_steps = a.steps - first if a.steps else 0
+    profiled_in_window = bool(a.profile_step) and a.profile_step > first
+    step_s_window = ((time.perf_counter() - starts[first]) / window_steps
+                     if window_steps and not profiled_in_window else None)
+    keep = [k for k, st in enumerate(timed) if st >= first] or list(range(len(timed)))
+
+    def settled(xs: list[float]) -> Optional[float]:
+        """The middle (the upper one for an even count) of a per-step figure's settled steps."""
+        tail = sorted(xs[k] for k in keep if k < len(xs))
+        return tail[len(tail) // 2] if tail else None
     if norms is not None and a.steps:
         norms.append(opt.last_grad_norm)
 
@@ -212,7 +227,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
                     check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
-        clip=a.clip, step_s_median=med(times), steps=times, step_s_window=step_s_window,
+        clip=a.clip, step_s_median=settled(times), steps=times, step_s_window=step_s_window,
+        settled_after=settled_after, first_settled_step=first + 1,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
         param_dtype=str(param_dtype), activation_offload=activation_offload,
@@ -231,7 +247,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         **({"grad_norms": norms} if norms is not None else {}),
         wrap_event=next((e for e in events if e.startswith("wrap: ")), None),
         offload_final=str(getattr(session, "offload", None)),
-        gpu_forward_ms=med(fwd_ms), gpu_backward_ms=med(bwd_ms), step_call_ms=med(step_ms),
+        gpu_forward_ms=settled(fwd_ms), gpu_backward_ms=settled(bwd_ms), step_call_ms=settled(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,
         loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)
     if session is not None and a.save_restore:
@@ -265,6 +281,18 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             record["unwrap_failed"] = 1
         record["unwrap_device"] = str(next(model.parameters()).device)
     print("@@" + json.dumps(record), flush=True)
+
+
+def decisions_made(session: Any) -> bool:
+    """Whether tsd made every decision it takes from measured steps: the weight plan settled
+    (param_offload="auto"), the activation pages chosen (activation_offload="auto": its profiler
+    is gone) and the GPU share chosen (optimizer_gpu_fraction="auto"). A peer has none to make."""
+    if session is None:
+        return True
+    planner = getattr(session, "planner", None)
+    profiling = type(getattr(session, "act_pager", None)).__name__ == "ActivationProfiler"
+    return (planner is None or bool(getattr(planner, "done", True))) and not profiling \
+        and getattr(session, "auto_share", None) is None
 
 
 def start_profile(cuda: bool) -> Any:

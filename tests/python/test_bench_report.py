@@ -243,6 +243,8 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert (cont["run_id"], cont["order"], cont["repeat"], cont["status"]) == (ok["run_id"], 2, 1, "ok")
     # Without a profiled step, the window (third step to the drained end) gives a mean per step.
     assert cont["values"]["step_s_window"] > 0 and len(cont["values"]["step_s"]) == 3
+    # The CPU run makes no "auto" decision: settled after its first step, its figures from the third.
+    assert cont["values"]["settled_after"] == 1 and cont["values"]["first_settled_step"] == 3
     assert f"2 round(s); run {ok['run_id']}" in again.stdout
     other = subprocess.run(more + ["--run-id", ok["run_id"], "--batch", "4"], capture_output=True, text=True,
                            timeout=60, cwd=ROOT)
@@ -410,3 +412,19 @@ def test_how_often_clipping_bit_comes_from_the_norms_and_the_limit():
     got = report.add_clip_counts([a, b])
     assert got[0]["values"]["clip_bit_share"] == 0.5 and "clip_bit_share" not in got[1]["values"]
     assert "| 0.50 |" in row(table(got, modes=["a"], cols=["clip_bit"], ratio=[]), "a")
+
+
+def test_a_run_is_settled_once_every_auto_decision_is_made():
+    """finetune_child's figures start after tsd's last decision from measured steps: the weight
+    plan settled, the activation profiler replaced by its decision, the GPU share chosen."""
+    from types import SimpleNamespace
+
+    import finetune_child
+    from trainstream.paging.activations import ActivationProfiler
+
+    profiler = ActivationProfiler.__new__(ActivationProfiler)  # only its type is read
+    done = SimpleNamespace(planner=SimpleNamespace(done=True), act_pager=None, auto_share=None)
+    assert finetune_child.decisions_made(None) and finetune_child.decisions_made(done)
+    assert finetune_child.decisions_made(SimpleNamespace(planner=None, act_pager=object(), auto_share=None))
+    for pending in (dict(planner=SimpleNamespace(done=False)), dict(act_pager=profiler), dict(auto_share=object())):
+        assert not finetune_child.decisions_made(SimpleNamespace(**{**vars(done), **pending})), pending
