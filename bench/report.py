@@ -427,15 +427,16 @@ def series_name(mode: str) -> str:
 
 def plot_points(block: Block, records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float, str]]]:
     """For each line (`series_name`), its (budget GiB, s/step, run id) points: the newest run of
-    each budget. The block's modes= names lines (or entries)."""
+    each budget. The block's modes= names lines (or entries); its run= one run or several,
+    comma-separated (default: every run)."""
     bench = block.get("benchmark") or ""
     want = [m for m in (block.get("modes") or "").split(",") if m]
     groups: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
-    run = block.get("run")
+    runs = [x for x in (block.get("run") or "").split(",") if x]  # a plot may draw from several runs
     for r in records:
         line = series_name(r["mode"])
         if r["status"] == "ok" and matches(r, bench, block.filters()) and (
-                not want or line in want or r["mode"] in want) and (run is None or r["run_id"] == run):
+                not want or line in want or r["mode"] in want) and (not runs or r["run_id"] in runs):
             cap = float(r["workload"].get("vram_cap_gib") or 0.0)
             groups.setdefault((line, cap), {}).setdefault(r["run_id"], []).append(r)
     out: dict[str, list[tuple[float, float, str]]] = {}
