@@ -230,8 +230,7 @@ def _start_weight_paging(session: Session, opts: dict[str, Any], first: list[int
     "auto", offload="auto" decides once the plan settled (optim.maybe_switch_to_stock)."""
     pager = session.pager
     assert pager is not None
-    for i in first:
-        pager.page(i)
+    pager.move_to(set(first))  # paging from the start: the allocator's segments too (allocator.py)
     if session.offload == "auto" and not pager.auto:
         session.offload = True  # the switch to stock AdamW would take the paged weights' slots away
     session.events.append(

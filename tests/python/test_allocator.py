@@ -122,6 +122,9 @@ def test_the_weight_pager_reports_the_first_paging_to_the_switch(tsd):
     session = trainstream.unwrap_session(model)
     rec = Recorder()
     try:
+        # On the CPU the switch had nothing to do at wrap(); on a GPU paging from the start switched
+        # it (the CUDA test below). Here a recording switch sees the pager's later moves.
+        assert not any(e.startswith("allocator:") for e in session.events), session.events
         session.segments = switch(rec)
         session.pager.move_to({1})  # paged to paged: the budget already bound
         assert rec.calls == []
@@ -165,3 +168,25 @@ def test_cuda_paging_makes_new_segments_expandable_and_unwrap_switches_back(tsd,
     torch.cuda.empty_cache()
     u = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
     assert segments_of(u) == [False]
+
+
+def test_paging_from_wrap_switches_there(tsd, monkeypatch):
+    """An explicit param_offload pages its blocks in wrap(): the switch happens there, before the
+    model's first step (the session's switch records instead of touching the allocator)."""
+    import trainstream.engine as engine
+
+    rec = Recorder()
+    monkeypatch.setattr(engine, "SegmentSwitch", lambda option, cuda: switch(rec, option=option))
+    model = make_gpt(0, layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, offload=True, param_offload=[1, 3])
+    events = list(trainstream.unwrap_session(model).events)
+    trainstream.unwrap(model)
+    assert rec.calls == [True, "release", False]
+    assert any(e.startswith("allocator: the weights of 2 blocks are paged") for e in events), events
+    rec.calls.clear()
+    model = make_gpt(0, layers=4)
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  offload=True, param_offload=[1], expandable_segments=False)
+    trainstream.unwrap(model)
+    assert rec.calls == []
