@@ -147,3 +147,35 @@ def test_cuda_a_cpu_model_is_paged_by_the_trainer_without_moving_it_whole(tsd, t
         trainstream.unwrap(paged_model)
     assert losses(trainer) == losses(plain)
     assert max_diff(plain_model, paged_model) == 0.0
+
+
+def test_a_checkpoint_resumes_with_other_blocks_paged(tsd, tmp_path, llama):
+    """The checkpoint's layout counts a paged parameter by its shape (between uses it is an empty
+    tensor), so a run paging other blocks, or none, resumes from it; paging changes nothing, so
+    steps 4-6 and the final weights are the uninterrupted run's bit for bit."""
+    import json
+
+    from test_hf_trainer import run_ts
+    from trainstream.integrations.trainer import STATE_META_FILE
+
+    whole = load(llama)
+    a = run_ts(tsd, whole, targs(tmp_path / "a", save_strategy="steps", save_steps=3), param_offload=[0])
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    sizes = {n: k for n, k in json.loads((ckpt / STATE_META_FILE).read_text())["buckets"]}
+    assert sizes["model.layers.0.mlp.up_proj.weight"] == 64 * 128  # paged when saved
+    for paged in ([2], False):
+        resumed = load(llama)
+        b = run_ts(tsd, resumed, targs(tmp_path / f"b{paged}"), resume=str(ckpt), param_offload=paged)
+        assert losses(b) == losses(a), paged
+        assert max_diff(whole, resumed) == 0.0, paged
+
+
+def test_a_layout_from_before_paged_sizes_were_counted_still_matches():
+    """Checkpoints written before held 0 for the parameters paged when they were saved: such an
+    entry matches by name (tsd checks the file's sizes against its buckets when it loads)."""
+    from trainstream.integrations.trainer import _same_layout
+
+    mine = [["a", 8], ["b", 4]]
+    assert _same_layout([["a", 8], ["b", 4]], mine) and _same_layout([("a", 0), ("b", 4)], mine)
+    assert not _same_layout([["a", 8], ["b", 5]], mine) and not _same_layout([["a", 8], ["c", 4]], mine)
+    assert not _same_layout([["a", 8]], mine)

@@ -189,6 +189,18 @@ def _save_state(opt: TsdAdamW, path: str) -> int:
         os.close(fd)
 
 
+def _same_size(saved: int, here: int) -> bool:
+    """Whether a bucket's size in a checkpoint's layout matches this run's. Layouts written before
+    paged parameters were counted by their shape hold 0 for them: such an entry matches any size,
+    and tsd checks the state file's own sizes against its buckets when it loads."""
+    return saved == here or saved == 0
+
+
+def _same_layout(saved: list[Any], mine: list[list[Any]]) -> bool:
+    return len(saved) == len(mine) and all(
+        list(a)[:1] == b[:1] and _same_size(int(list(a)[1]), int(b[1])) for a, b in zip(saved, mine))
+
+
 def _load_state_by_name(opt: TsdAdamW, path: str, buckets: list[Any], model: nn.Module, checkpoint: str) -> None:
     """Loads tsd's state file `path` (bucket b is the parameter named `buckets[b][0]`, of
     `buckets[b][1]` elements) into a run with a GPU share, through `TsdAdamW.load_state_dict`
@@ -208,7 +220,7 @@ def _load_state_by_name(opt: TsdAdamW, path: str, buckets: list[Any], model: nn.
     shapes = {id(p): slots[id(p)].shape if id(p) in slots else p.shape for p in trained.values()}
     named = [(n, trained.get(n)) for n, _ in buckets]
     wrong = [f"{n} ({k} elements there)" for (n, k), (_, p) in zip(buckets, named)
-             if p is None or id(p) not in index or p.numel() != int(k)]  # the sizes _layout() wrote
+             if p is None or id(p) not in index or not _same_size(int(k), shapes[id(p)].numel())]
     if wrong or len(buckets) != len(trained):
         what = ", ".join(wrong[:3]) or f"{len(buckets)} trained tensors there, {len(trained)} here"
         raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({what}): resume with the "
@@ -476,7 +488,8 @@ class TrainStreamMixin(_Base):
     def _layout(self, opt: TsdAdamW) -> list[list[Any]]:
         """[name, numel] of each bucket (the order of tsd's state file)."""
         names = {id(p): n for n, p in self._trained_model().named_parameters()}
-        return [[names.get(id(ps.param), f"#{ps.index}"), ps.param.numel()] for ps in opt._session.params]
+        # ps.shape: a paged parameter is an empty tensor between uses (paging.weights)
+        return [[names.get(id(ps.param), f"#{ps.index}"), ps.shape.numel()] for ps in opt._session.params]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self._offloading()
@@ -526,8 +539,8 @@ class TrainStreamMixin(_Base):
             _load_state_by_name(opt, state_path, buckets, self._trained_model(), checkpoint)
         else:
             mine = self._layout(opt)
-            if [list(b) for b in buckets] != mine or len(groups) != len(opt.param_groups):
-                diff = next((f"{a} there, {b} here" for a, b in zip(buckets, mine) if list(a) != b),
+            if not _same_layout(buckets, mine) or len(groups) != len(opt.param_groups):
+                diff = next((f"{a} there, {b} here" for a, b in zip(buckets, mine) if not _same_layout([a], [b])),
                             f"{len(buckets)} trained tensors there, {len(mine)} here")
                 raise ValueError(f"{checkpoint}'s optimizer state is for other trained parameters ({diff}): resume "
                                  f"with the same model, the same trainable parameters (LoRA config) and the same "
