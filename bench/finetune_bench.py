@@ -127,6 +127,18 @@ def measure_stream(a: argparse.Namespace, rec: benchlib.Recorder) -> Optional[di
     return values
 
 
+def few_settled(vals: list[dict[str, Any]]) -> str:
+    """A warning for a mode whose figures rest on fewer than 3 settled steps (its "auto" decisions
+    took most of the run): how many steps to pass instead."""
+    counts = [(len(v.get("step_s") or []) + 1 - int(v["first_settled_step"]), int(v["first_settled_step"]))
+              for v in vals if isinstance(v.get("first_settled_step"), int)]
+    if not counts or min(n for n, _ in counts) >= 3:
+        return ""
+    n, first = min(counts)
+    return (f"; only {max(n, 0)} settled step(s) (the decisions took until step {first - 1}): "
+            f"pass --steps {first + 3} or more")
+
+
 def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list[str]:
     """Each tsd mode's bound in this run: max(the GPU's forward + backward, its host bytes per step
     / the STREAM bandwidth), beside its measured step (medians over the run's repeats). The GPU part
@@ -156,7 +168,8 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
         out.append(f"  {mode}: {vals[0]['host_bytes_per_param']} B/param, host {host_bytes / (bw * 1e9):.3f} s, "
                    f"GPU {fb:.3f} s, bound {bound:.3f} s"
                    + (f", step {step:.3f} s ({step / bound:.2f}x the bound)" if step and bound else "")
-                   + (f", window {window:.3f} s/step drained ({window / bound:.2f}x)" if window and bound else ""))
+                   + (f", window {window:.3f} s/step drained ({window / bound:.2f}x)" if window and bound else "")
+                   + few_settled(vals))
     return out
 
 

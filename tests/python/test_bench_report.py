@@ -428,3 +428,11 @@ def test_a_run_is_settled_once_every_auto_decision_is_made():
     assert finetune_child.decisions_made(SimpleNamespace(planner=None, act_pager=object(), auto_share=None))
     for pending in (dict(planner=SimpleNamespace(done=False)), dict(act_pager=profiler), dict(auto_share=object())):
         assert not finetune_child.decisions_made(SimpleNamespace(**{**vars(done), **pending})), pending
+
+
+def test_a_mode_with_few_settled_steps_is_told_how_many_to_run():
+    six = [0.5] * 6
+    assert finetune_bench.few_settled([{"step_s": six, "first_settled_step": 3}]) == ""  # steps 3-6
+    warn = finetune_bench.few_settled([{"step_s": six, "first_settled_step": 5}])
+    assert "only 2 settled step(s)" in warn and "until step 4" in warn and "--steps 8" in warn
+    assert finetune_bench.few_settled([{"step_s": six}]) == ""  # a record from before the field
