@@ -67,11 +67,12 @@ class SegmentSwitch:
     allocator call and the environment (tests pass their own)."""
 
     def __init__(self, option: Option = False, cuda: bool = False,
-                 setter: Callable[[bool], None] = _set_expandable, env: Optional[Mapping[str, str]] = None,
+                 setter: Optional[Callable[[bool], None]] = None, env: Optional[Mapping[str, str]] = None,
                  release: Optional[Callable[[], None]] = None) -> None:
         self.option = check_option(option)
         self.cuda = cuda
-        self.setter = setter
+        # looked up at each call, so that a test can watch the module's own setter
+        self.setter: Callable[[bool], None] = setter if setter is not None else (lambda on: _set_expandable(on))
         self.env = os.environ if env is None else env
         self.release_cache = release if release is not None else (torch.cuda.empty_cache if cuda else (lambda: None))
         self.switched = False

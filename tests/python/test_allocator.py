@@ -142,8 +142,18 @@ def test_the_weight_pager_reports_the_first_paging_to_the_switch(tsd):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_paging_makes_new_segments_expandable_and_unwrap_switches_back(tsd, monkeypatch):
+    """On a GPU: paging from wrap() switches the real allocator (a segment made afterwards is
+    expandable), training runs on it, and unwrap() switches back (the calls to torch's setting are
+    watched; torch has no getter for it)."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    real, calls = allocator._set_expandable, []
+
+    def watched(on: bool) -> None:
+        calls.append(on)
+        real(on)
+
+    monkeypatch.setattr(allocator, "_set_expandable", watched)
 
     def segments_of(t: torch.Tensor) -> list[bool]:
         addr = t.data_ptr()
@@ -156,6 +166,7 @@ def test_cuda_paging_makes_new_segments_expandable_and_unwrap_switches_back(tsd,
     session = trainstream.unwrap_session(model)
     try:
         assert any(e.startswith("allocator: the weights of 2 blocks are paged") for e in session.events), session.events
+        assert calls == [True]
         t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         assert segments_of(t) == [True]
         for x in batches(2):
@@ -165,9 +176,7 @@ def test_cuda_paging_makes_new_segments_expandable_and_unwrap_switches_back(tsd,
         del t
     finally:
         trainstream.unwrap(model)
-    torch.cuda.empty_cache()
-    u = torch.empty(96 << 20, dtype=torch.uint8, device="cuda")
-    assert segments_of(u) == [False]
+    assert calls == [True, False] and allocator._holders == 0
 
 
 def test_paging_from_wrap_switches_there(tsd, monkeypatch):
