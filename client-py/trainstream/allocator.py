@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-__all__ = ["SegmentSwitch", "check_option", "user_choice"]
+__all__ = ["SegmentSwitch", "budget_binds", "check_option", "user_choice"]
 
 Option = Union[bool, str]
 
@@ -49,6 +49,16 @@ def user_choice(env: Mapping[str, str]) -> Optional[bool]:
         if m:
             return m.group(1).lower() in ("true", "1")
     return None
+
+
+def budget_binds(session: Any, why: str) -> None:
+    """Where tsd starts paging because a budget binds (`why` says how): the session's switch
+    decides (a session without one, a test's stand-in, has nothing to switch), and its event joins
+    the session's events."""
+    segments = getattr(session, "segments", None)
+    event = segments.tight(why) if segments is not None else None
+    if event:
+        session.events.append(event)
 
 
 def _set_expandable(on: bool) -> None:

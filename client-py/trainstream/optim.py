@@ -11,6 +11,7 @@ import torch
 
 from . import _state, gpushare, planner, share_auto
 from ._state_checks import check_state_dict
+from .allocator import budget_binds
 from .engine import ParamSlots, Session
 from .errors import MemoryCheckFailed, Refusal, TsdError
 from .paging.activations import ActivationProfiler, page_blocks
@@ -435,9 +436,7 @@ def decide_activation_offload(session: Session) -> None:
         # paged); kept, they fragment the next steps' under a cap. Measured on the H100 (1.5B,
         # 16 GiB cap): step 2 ran out of VRAM with 10.1 GiB allocated and 4.0 GiB cached unused.
         # From now on, segments that grow (allocator.py), unless the user chose otherwise.
-        event = session.segments.tight(f"activations of {len(chosen)} blocks are paged to fit the budget")
-        if event:
-            session.events.append(event)
+        budget_binds(session, f"activations of {len(chosen)} blocks are paged to fit the budget")
         torch.cuda.empty_cache()
     check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..allocator import budget_binds
 from ..errors import QuotaExceeded
 from ..memory import HostBlock, HostMemory, PinnedHost
 from ..compiled import eager, forget_compiled
@@ -432,11 +433,7 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
         session.arena = arena
 
     def make_host() -> HostMemory:
-        # The first step starts paging by itself: the budget binds (allocator.py).
-        segments = getattr(session, "segments", None)
-        event = segments.tight("the first step pages activations to fit") if segments is not None else None
-        if event:
-            session.events.append(event)
+        budget_binds(session, "the first step pages activations to fit")  # it starts paging by itself
         if session.arena is None:
             session.arena = _arena(session)
         return session.arena

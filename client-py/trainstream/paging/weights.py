@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..allocator import budget_binds
 from ..memory import HostArena, HostBlock
 from ..compiled import eager, forget_compiled
 from ..quant.weight import QuantizedWeight, quantized_of
@@ -467,11 +468,8 @@ class WeightPager:
     def move_to(self, paged: set[int]) -> None:
         """Pages and unpages blocks so that `paged` are the paged ones (paging out first)."""
         now = self.paged
-        if paged and not now:  # the budget binds: fixed allocator segments would fragment (allocator.py)
-            segments = getattr(self.session, "segments", None)
-            event = segments.tight(f"the weights of {len(paged)} blocks are paged") if segments is not None else None
-            if event:
-                self.session.events.append(event)
+        if paged and not now:  # the budget binds: fixed allocator segments would fragment
+            budget_binds(self.session, f"the weights of {len(paged)} blocks are paged")
         for i in sorted(paged - now):
             self.page(i)
         for i in sorted(now - paged):
