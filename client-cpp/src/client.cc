@@ -330,6 +330,8 @@ static void DescribeActivity(const v1::JobActivity& a, JobStatus& o) {
   t.client_step_wait_s = a.client_step_wait_s();
   t.client_h2d_bytes = a.client_h2d_bytes();
   t.client_d2h_bytes = a.client_d2h_bytes();
+  t.speculated_commits = a.speculated_commits();
+  t.redone_commits = a.redone_commits();
 }
 
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {

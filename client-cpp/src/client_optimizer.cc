@@ -43,6 +43,7 @@ static v1::RegisterOptimizerRequest RegistrationRequest(const OptimizerSpec& spe
   req.set_rank(spec.rank);
   req.set_world(spec.world);
   req.set_pci_bus_id(spec.pci_bus_id);
+  req.set_hold_clipped_updates(spec.hold_clipped_updates);
   req.set_params_in_master_ok(true);  // Register maps a parameter slot in opt/master when told to
   return req;
 }

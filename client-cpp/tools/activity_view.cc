@@ -85,7 +85,9 @@ nlohmann::json ActivityJson(const JobStatus& job) {
           {"client_reports", a.client_reports},
           {"step_wait_s", reported_or_null(a.client_step_wait_s)},
           {"h2d_bytes_per_step", reported_or_null(a.client_h2d_bytes)},
-          {"d2h_bytes_per_step", reported_or_null(a.client_d2h_bytes)}};
+          {"d2h_bytes_per_step", reported_or_null(a.client_d2h_bytes)},
+          {"speculated_commits", a.speculated_commits},
+          {"redone_commits", a.redone_commits}};
 }
 
 }  // namespace tsd::tsctl

@@ -33,6 +33,8 @@ void JobOptimizer::DescribeActivity(v1::JobActivity& out) const {
   out.set_bucket_update_p50_s(s.bucket_update_p50_s);
   out.set_bucket_update_p99_s(s.bucket_update_p99_s);
   out.set_moment_dtype(ToProto(plan_.moment_dtype));
+  out.set_speculated_commits(speculated_commits_.load(std::memory_order_relaxed));
+  out.set_redone_commits(redone_commits_.load(std::memory_order_relaxed));
   // The client wrote these (it may write anything): they are copied as numbers, never used.
   const wire::ControlHeader& h = *page_.header;
   const uint64_t reports = h.client_reports.load(std::memory_order_acquire);

@@ -21,6 +21,12 @@ constexpr int64_t kChunk = 1 << 18;      // elements per pool task
 constexpr int64_t kInline = 1 << 15;     // buckets this small run on the dispatcher
 constexpr int64_t kSpinNs = 30000;       // the dispatcher spins this long before sleeping
 constexpr int64_t kSleepNs = 100000000;  // and sleeps at most this long (to notice Stop)
+// Clipping speculates while the last step's norm is under this fraction of max_grad_norm: a norm
+// that grows by more than 1.25x in one step makes it redo (it costs one more pass over the bucket).
+constexpr double kSpeculateBelow = 0.8;
+
+// The chunks RunChunked splits a bucket of n elements into (chunk c: [c*kChunk, ...)).
+size_t NumChunks(int64_t n) { return n <= 0 ? 0 : static_cast<size_t>((n + kChunk - 1) / kChunk); }
 
 uint64_t Align64(uint64_t x) { return (x + 63) / 64 * 64; }
 
@@ -117,6 +123,8 @@ absl::StatusOr<OptimizerPlan> JobOptimizer::Plan(const v1::RegisterOptimizerRequ
   }
   p.world = req.world() > 1 ? req.world() : 0;
   p.rank = req.rank();
+  // Data parallel commits need every rank's norm first; speculation is one process's.
+  p.speculate_clip = p.max_grad_norm > 0 && p.world == 0 && !req.hold_clipped_updates();
   const uint64_t msize = kernels::DTypeSize(p.moment_dtype);
   uint64_t master = 0, moments = 0, grads = 0, params = 0;
   const uint64_t max_numel = max_bytes / 4;
@@ -355,6 +363,7 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
   run.pending = ready;
   run.done_local = ready;  // taken: the next valid counter value is ready + 1
   const bool clip = plan_.max_grad_norm > 0;
+  const bool spec = clip && final && ShouldSpeculate(b);
   const kernels::DType gd = run.plan.grad_dtype;
 
   if (direct && !clip) {
@@ -362,7 +371,11 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
     return true;
   }
   if (direct && clip) {
-    HoldForCommit(b, /*from_accum=*/false);
+    if (spec) {
+      SpeculateBucket(b, /*from_accum=*/false);
+    } else {
+      HoldForCommit(b, /*from_accum=*/false);
+    }
     return true;
   }
   // Accumulate, then (final) step from the accumulator or hold it for the commit.
@@ -373,12 +386,14 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
             static_cast<const char*>(run->grad) + begin * kernels::DTypeSize(gd), gd,
             run->accum + begin, n, first, isa_);
       },
-      [this, b, final, clip] {
+      [this, b, final, clip, spec] {
         BucketRun& r = *runs_[b];
         if (!final) {
           CompleteDelivery(b);
         } else if (!clip) {
           StepBucket(b, r.accum, kernels::DType::kF32, 1.0f, [this, b] { CompleteDelivery(b); });
+        } else if (spec) {
+          SpeculateBucket(b, /*from_accum=*/true);
         } else {
           HoldForCommit(b, /*from_accum=*/true);
         }
@@ -425,6 +440,7 @@ void JobOptimizer::MaybeApplyCommit() {
   float coef = static_cast<float>(plan_.max_grad_norm) / (norm + 1e-6f);
   if (coef > 1.0f) coef = 1.0f;
   page_.header->last_grad_norm = norm;
+  last_norm_ = norm;
   const uint64_t target = committed_local_ + 1;
   if (held.empty()) {
     committed_local_ = target;
@@ -438,13 +454,15 @@ void JobOptimizer::MaybeApplyCommit() {
                    [this](size_t a, size_t b) { return Priority(a) < Priority(b); });
   commit_running_ = true;
   commit_left_.store(static_cast<int64_t>(held.size()));
+  committed_local_ = target;
+  bool speculated = false, redone = false;
   for (size_t b : held) {
     BucketRun& run = *runs_[b];
     run.held = false;
     run.busy.store(true, std::memory_order_relaxed);
     const void* grad = run.held_from_accum ? static_cast<const void*>(run.accum) : run.grad;
     const kernels::DType gd = run.held_from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
-    StepBucket(b, grad, gd, coef, [this, b, target] {
+    auto after = [this, b, target] {
       CompleteDelivery(b);
       if (commit_left_.fetch_sub(1) == 1) {
         // The last bucket of the commit: publish it.
@@ -452,18 +470,49 @@ void JobOptimizer::MaybeApplyCommit() {
         page_.header->completions.fetch_add(1, std::memory_order_release);
         wire::FutexWakeAll(&page_.header->completions);
       }
-    });
+    };
+    if (!run.speculated) {
+      StepBucket(b, grad, gd, coef, std::move(after));
+      continue;
+    }
+    // Speculated: kept when it is what the commit would compute (coefficient 1, the same
+    // hyperparameters, every chunk applied), else undone and redone.
+    run.speculated = false;
+    speculated = true;
+    absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
+    if (!h.ok()) {
+      Fail(std::string(h.status().message()));
+      return;
+    }
+    h->step = run.steps;
+    h->grad_scale = coef;
+    const kernels::AdamWHyper& was = run.spec_hyper;
+    const bool same = h->lr == was.lr && h->beta1 == was.beta1 && h->beta2 == was.beta2 &&
+                      h->eps == was.eps && h->weight_decay == was.weight_decay;
+    const bool whole = std::all_of(run.spec_chunks.begin(), run.spec_chunks.end(),
+                                   [](uint8_t c) { return c != 0; });
+    if (coef == 1.0f && same && whole) {
+      PublishStep(b);
+      after();
+    } else {
+      redone = true;
+      RedoBucket(b, grad, gd, *h, std::move(after));
+    }
   }
-  committed_local_ = target;
+  if (speculated) speculated_commits_.fetch_add(1, std::memory_order_relaxed);
+  if (redone) redone_commits_.fetch_add(1, std::memory_order_relaxed);
 }
 
-void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
-                              float grad_scale, std::function<void()> after) {
-  BucketRun& run = *runs_[b];
-  const wire::ControlGroup g = page_.groups[run.plan.group];  // a copy: the page is not ours
+bool JobOptimizer::ShouldSpeculate(size_t b) const {
+  return plan_.speculate_clip && runs_[b]->steps >= 1 && std::isfinite(last_norm_) &&
+         last_norm_ < kSpeculateBelow * plan_.max_grad_norm;
+}
+
+absl::StatusOr<kernels::AdamWHyper> JobOptimizer::PageHyper(uint32_t group) const {
+  const wire::ControlGroup g = page_.groups[group];  // a copy: the page is not ours
   if (absl::Status s = CheckHyper(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay); !s.ok()) {
-    Fail(absl::StrCat("control page: group ", run.plan.group, ": ", s.message()));
-    return;
+    return absl::InvalidArgumentError(
+        absl::StrCat("control page: group ", group, ": ", s.message()));
   }
   kernels::AdamWHyper h;
   h.lr = g.lr;
@@ -471,50 +520,146 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
   h.beta2 = g.beta2;
   h.eps = g.eps;
   h.weight_decay = g.weight_decay;
-  h.step = ++run.steps;
-  h.grad_scale = grad_scale;
-  run.started = std::chrono::steady_clock::now();
+  return h;
+}
+
+kernels::AdamWTensors JobOptimizer::Tensors(const BucketRun& run, const void* grad,
+                                            kernels::DType grad_dtype, int64_t begin,
+                                            int64_t n) const {
   const size_t gsize = kernels::DTypeSize(grad_dtype),
                msize = kernels::DTypeSize(plan_.moment_dtype),
                psize = kernels::DTypeSize(run.plan.param_dtype);
-  const kernels::DType md = plan_.moment_dtype;
+  kernels::AdamWTensors t;
+  t.grad = static_cast<const char*>(grad) + begin * gsize;
+  t.grad_dtype = grad_dtype;
+  t.master = run.master + begin;
+  t.exp_avg = static_cast<char*>(run.exp_avg) + begin * msize;
+  t.exp_avg_sq = static_cast<char*>(run.exp_avg_sq) + begin * msize;
+  t.moment_dtype = plan_.moment_dtype;
+  t.param_out = run.param ? static_cast<char*>(run.param) + begin * psize : nullptr;
+  t.param_dtype = run.plan.param_dtype;
+  t.n = n;
+  t.sr_seed = run.sr_seed;
+  t.sr_offset = begin;
+  return t;
+}
+
+void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
+  BucketRun& run = *runs_[b];
+  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
+  if (!h.ok()) {
+    Fail(std::string(h.status().message()));
+    return;
+  }
+  h->step = ++run.steps;
+  run.spec_hyper = *h;
+  run.held_from_accum = from_accum;
+  const size_t chunks = NumChunks(run.plan.numel);
+  run.partial.assign(chunks + 1, 0.0);
+  run.spec_chunks.assign(chunks, 0);
+  const kernels::DType gd = from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+  const void* grad = from_accum ? static_cast<const void*>(run.accum) : run.grad;
+  run.started = std::chrono::steady_clock::now();
   RunChunked(
       b,
-      [this, run = &run, grad, grad_dtype, h, gsize, msize, psize, md](int64_t begin, int64_t n,
-                                                                       size_t) {
-        kernels::AdamWTensors t;
-        t.grad = static_cast<const char*>(grad) + begin * gsize;
-        t.grad_dtype = grad_dtype;
-        t.master = run->master + begin;
-        t.exp_avg = static_cast<char*>(run->exp_avg) + begin * msize;
-        t.exp_avg_sq = static_cast<char*>(run->exp_avg_sq) + begin * msize;
-        t.moment_dtype = md;
-        t.param_out = run->param ? static_cast<char*>(run->param) + begin * psize : nullptr;
-        t.param_dtype = run->plan.param_dtype;
-        t.n = n;
-        t.sr_seed = run->sr_seed;
-        t.sr_offset = begin;
+      [this, run = &run, grad, gd, hyper = *h](int64_t begin, int64_t n, size_t chunk) {
+        const kernels::AdamWTensors t = Tensors(*run, grad, gd, begin, n);
+        // The squares first, in the same pass (the chunk is still in cache for the update): a
+        // non-finite chunk is not applied, so its commit never has to undo an Inf or a NaN.
+        const double sumsq = kernels::SumSquares(t.grad, gd, n, isa_);
+        run->partial[chunk] = sumsq;
+        if (std::isfinite(sumsq)) {
+          kernels::AdamWStep(t, hyper, isa_);
+          run->spec_chunks[chunk] = 1;
+        }
+      },
+      [this, b, run = &run] {
+        run->sumsq = 0;
+        for (double x : run->partial) run->sumsq += x;
+        RecordLatency(b);
+        run->held = true;
+        run->speculated = true;
+        run->busy.store(false, std::memory_order_release);
+        Kick();
+      });
+}
+
+void JobOptimizer::RedoBucket(size_t b, const void* grad, kernels::DType grad_dtype,
+                              const kernels::AdamWHyper& h, std::function<void()> after) {
+  BucketRun& run = *runs_[b];
+  run.started = std::chrono::steady_clock::now();
+  RunChunked(
+      b,
+      [this, run = &run, grad, grad_dtype, h](int64_t begin, int64_t n, size_t chunk) {
+        const kernels::AdamWTensors t = Tensors(*run, grad, grad_dtype, begin, n);
+        if (run->spec_chunks[chunk] != 0) kernels::AdamWUndo(t, run->spec_hyper);
         kernels::AdamWStep(t, h, isa_);
       },
       [this, b, after = std::move(after)] {
-        const BucketRun& r = *runs_[b];
-        // Release: a data-parallel rank that does not own the bucket reads its parameter slot
-        // once it sees the step count.
-        page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_release);
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
-        stats_.RecordBucket(seconds, static_cast<uint64_t>(r.plan.numel));
-        // A job's step count is the highest step any of its buckets reached.
-        int64_t seen = max_step_.load(std::memory_order_relaxed);
-        while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
-        }
-        if (r.steps > seen) stats_.RecordStep(r.steps);
-        if (observer_ != nullptr) {
-          observer_->OnBucketUpdate(seconds, static_cast<uint64_t>(r.plan.numel));
-          if (r.steps > seen) observer_->OnStep(r.steps);
-        }
+        RecordLatency(b);
+        PublishStep(b);
         after();
       });
+}
+
+void JobOptimizer::UndoSpeculation(size_t b) {
+  BucketRun& run = *runs_[b];
+  const void* grad = run.held_from_accum ? static_cast<const void*>(run.accum) : run.grad;
+  const kernels::DType gd = run.held_from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+  for (size_t c = 0; c < run.spec_chunks.size(); ++c) {
+    if (run.spec_chunks[c] == 0) continue;
+    const int64_t begin = static_cast<int64_t>(c) * kChunk;
+    const int64_t n = std::min(kChunk, run.plan.numel - begin);
+    kernels::AdamWUndo(Tensors(run, grad, gd, begin, n), run.spec_hyper);
+  }
+  --run.steps;
+  run.speculated = false;
+}
+
+void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
+                              float grad_scale, std::function<void()> after) {
+  BucketRun& run = *runs_[b];
+  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
+  if (!h.ok()) {
+    Fail(std::string(h.status().message()));
+    return;
+  }
+  h->step = ++run.steps;
+  h->grad_scale = grad_scale;
+  run.started = std::chrono::steady_clock::now();
+  RunChunked(
+      b,
+      [this, run = &run, grad, grad_dtype, hyper = *h](int64_t begin, int64_t n, size_t) {
+        kernels::AdamWStep(Tensors(*run, grad, grad_dtype, begin, n), hyper, isa_);
+      },
+      [this, b, after = std::move(after)] {
+        RecordLatency(b);
+        PublishStep(b);
+        after();
+      });
+}
+
+void JobOptimizer::RecordLatency(size_t b) {
+  const BucketRun& r = *runs_[b];
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+  stats_.RecordBucket(seconds, static_cast<uint64_t>(r.plan.numel));
+  if (observer_ != nullptr) observer_->OnBucketUpdate(seconds, static_cast<uint64_t>(r.plan.numel));
+}
+
+void JobOptimizer::PublishStep(size_t b) {
+  const BucketRun& r = *runs_[b];
+  // Release: a data-parallel rank that does not own the bucket reads its parameter slot once it
+  // sees the step count.
+  page_.buckets[b].steps.store(static_cast<uint32_t>(r.steps), std::memory_order_release);
+  // A job's step count is the highest step any of its buckets reached.
+  int64_t seen = max_step_.load(std::memory_order_relaxed);
+  while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
+  }
+  if (r.steps > seen) {
+    stats_.RecordStep(r.steps);
+    if (observer_ != nullptr) observer_->OnStep(r.steps);
+  }
 }
 
 void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,

@@ -5,10 +5,14 @@
 // The dispatcher sleeps on the page's doorbell futex. When the client marks a bucket's delivery
 // ready it checks the counters (the page is written by an untrusted process), then accumulates,
 // or steps, or (with clipping) computes the bucket's sum of squares and holds it until the
-// client's commit. Small buckets run on the dispatcher itself (one thread hop less on the hot
-// path); large ones are split into chunks across the pool. Completion stores the bucket's `done`
-// counter and wakes the client. Queued updates (and those of a commit) run in the order the
-// client's forward uses the buckets (the page's `order`), so the next forward waits least.
+// client's commit. With clipping it may instead speculate: update right away as if clipping will
+// not bite (the last step's norm was well under the limit), sum the squares in the same pass,
+// and publish the update only at the commit, undoing and redoing it there when clipping did bite
+// or the step's hyperparameters changed (docs/daemon.md, "Clipping without a stall"). Small buckets
+// run on the dispatcher itself (one thread hop less on the hot path); large ones are split into
+// chunks across the pool. Completion stores the bucket's `done` counter and wakes the client.
+// Queued updates (and those of a commit) run in the order the client's forward uses the buckets
+// (the page's `order`), so the next forward waits least.
 //
 // Anything invalid on the page fails the optimizer: it stops, writes why into the page, logs it,
 // and the Registry closes the session (Registry::Sweep). Destruction stops the dispatcher and
@@ -18,6 +22,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -65,6 +71,9 @@ struct OptimizerPlan {
   int numa_node = -1;
   uint64_t control_bytes = 0, master_bytes = 0, moment_bytes = 0, grad_bytes = 0, param_bytes = 0,
            accum_bytes = 0;
+  // Clipping may speculate (RegisterOptimizerRequest.hold_clipped_updates is false): one process
+  // (world 0) with max_grad_norm > 0.
+  bool speculate_clip = false;
   // Every bucket's parameters are fp32: their slots are the masters themselves (param_offset ==
   // master_offset, param_bytes 0, no "opt/params" region), and an update writes no copy.
   bool params_in_master = false;
@@ -160,6 +169,11 @@ class JobOptimizer final {
     uint64_t pending = 0;  // the delivery in flight
     bool held = false;     // a final delivery waits for the commit
     bool held_from_accum = false;
+    // Speculation: the held delivery was already applied with scale 1 and `spec_hyper`, each
+    // chunk whose gradient was finite (`spec_chunks`); the commit keeps or redoes it.
+    bool speculated = false;
+    kernels::AdamWHyper spec_hyper;
+    std::vector<uint8_t> spec_chunks;
     std::vector<double> partial;  // per-chunk sums of squares
     double sumsq = 0;
     std::atomic<int64_t> remaining{0};
@@ -179,6 +193,27 @@ class JobOptimizer final {
   // on the pool, then holds the bucket until the commit.
   void HoldForCommit(size_t b, bool from_accum);
   void MaybeApplyCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Whether bucket b's final delivery of this step may be applied before its commit: the plan
+  // allows it, the bucket has stepped before, and the last step's norm was under
+  // kSpeculateBelow of the limit (so clipping most likely will not bite).
+  bool ShouldSpeculate(size_t b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Speculation: per chunk, sums the squares of the final gradient and, when finite, applies
+  // the step with scale 1; then holds the bucket for the commit like HoldForCommit.
+  void SpeculateBucket(size_t b, bool from_accum);
+  // At a commit that cannot keep a speculated update: per chunk, undoes it (AdamWUndo with the
+  // speculation's hyperparameters) and applies the step with `h` (the commit's coefficient).
+  void RedoBucket(size_t b, const void* grad, kernels::DType grad_dtype,
+                  const kernels::AdamWHyper& h, std::function<void()> after);
+  // Resume: undoes the speculated update of a held bucket whose commit will never come.
+  void UndoSpeculation(size_t b);
+  // The group's hyperparameters from the page (checked; the page is the client's).
+  absl::StatusOr<kernels::AdamWHyper> PageHyper(uint32_t group) const;
+  // The tensors of bucket `run`'s elements [begin, begin + n) for the kernels.
+  kernels::AdamWTensors Tensors(const BucketRun& run, const void* grad, kernels::DType grad_dtype,
+                                int64_t begin, int64_t n) const;
+  // After a bucket's update: its latency into the stats, and its step count published.
+  void RecordLatency(size_t b);
+  void PublishStep(size_t b);
   // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
   // runs once after the last chunk.
   void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
@@ -212,6 +247,11 @@ class JobOptimizer final {
   uint64_t committed_local_ ABSL_GUARDED_BY(state_mu_) = 0;
   bool commit_running_ ABSL_GUARDED_BY(state_mu_) = false;
   std::atomic<int64_t> commit_left_{0};
+  // The last commit's gradient norm (NaN before the first): whether the next step speculates.
+  double last_norm_ ABSL_GUARDED_BY(state_mu_) = std::numeric_limits<double>::quiet_NaN();
+  // Commits that had speculated updates, and those of them that redid any (JobActivity).
+  std::atomic<uint64_t> speculated_commits_{0};
+  std::atomic<uint64_t> redone_commits_{0};
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};

@@ -6,8 +6,9 @@
 // writes a gradient before it publishes the delivery), so the daemon finishes it: an update in
 // flight always completes, never leaving a torn master or moment. What it cannot finish are
 // deliveries that wait for the trainer: with clipping, final deliveries held until the step's
-// commit; with accumulation, a bucket's partial sum. Neither has changed a master or a moment,
-// so both are dropped (rolled back) and the new trainer starts at a step boundary. Buckets that
+// commit; with accumulation, a bucket's partial sum. Both are dropped (rolled back) and the new
+// trainer starts at a step boundary. A held delivery that was speculated (applied before the
+// commit, job_optimizer.cc) is undone first; the others changed no master or moment. Buckets that
 // were updated in the interrupted step (without clipping they update as backward goes) keep
 // their update: their step counts say so, and the client decides what to do with them.
 //
@@ -167,7 +168,9 @@ absl::StatusOr<JobOptimizer::ResumePoint> JobOptimizer::Resume(absl::Duration ti
         for (size_t b = 0; b < runs_.size(); ++b) {
           BucketRun& r = *runs_[b];
           if (r.held) {
-            // A final delivery waiting for a commit: nothing of it was applied. Dropped.
+            // A final delivery waiting for a commit: dropped. A speculated one was applied: it
+            // is undone (to within rounding, kernels/cpu/adamw_undo.cc).
+            if (r.speculated) UndoSpeculation(b);
             r.held = false;
             page_.buckets[b].done.store(r.pending, std::memory_order_release);
             point.rolled_back.push_back(static_cast<uint32_t>(b));

@@ -99,6 +99,13 @@ struct AdamWTensors {
 // every split of a bucket into ranges (given the matching sr_offset).
 void AdamWStep(const AdamWTensors& t, const AdamWHyper& h, Isa isa);
 
+// The inverse of AdamWStep(t, h) (up to rounding: within a few ulps for fp32 moments, within
+// their 8-bit rounding for bf16 ones): restores the master, the moments and the param copy to
+// what they were before that step, given the same gradient and hyperparameters. The daemon's
+// speculative clipping undoes a step made before the gradient norm was known with it. Scalar
+// code; the sr fields are unused (moments are stored rounded to nearest).
+void AdamWUndo(const AdamWTensors& t, const AdamWHyper& h);
+
 // Gradient accumulation: acc[i] = float(grad[i]) when `first` (a copy, so -0 stays -0), else
 // acc[i] = acc[i] + float(grad[i]) in fp32. Bit-identical across ISAs.
 void AccumulateGrad(const void* grad, DType dtype, float* acc, int64_t n, bool first, Isa isa);

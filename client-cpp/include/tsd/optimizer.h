@@ -74,6 +74,10 @@ struct OptimizerSpec {
   // The PCI address of the GPU this trainer uses ("0000:c1:00.0"), or empty: on a host of several
   // NUMA nodes tsd places the job's optimizer threads and memory on that GPU's node.
   std::string pci_bus_id;
+  // With max_grad_norm: true holds every update until Commit(). False (default) lets tsd apply
+  // updates as deliveries arrive while the last norm was under 0.8x the limit, undoing and
+  // redoing them at Commit() when clipping bites (RegisterOptimizerRequest.hold_clipped_updates).
+  bool hold_clipped_updates = false;
 };
 
 // Where a resumed optimizer stands (Client::ResumeOptimizer): tsd finished every delivery the

@@ -1,0 +1,67 @@
+// The reference the daemon's AdamW must match in the optimizer tests: torch.optim.AdamW written
+// out plainly, and the helpers those tests share.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "tsd/optimizer.h"
+
+namespace tsd::testing {
+
+// torch.optim.AdamW (single tensor, foreach=False) for fp32 tensors on a CPU, written out plainly:
+// the reference the daemon must match. Hyperparameter arithmetic in double, as Python does it; the
+// per-element arithmetic as ATen's vectorised CPU kernels do it (lerp and addcmul fused with fma).
+struct RefParam {
+  std::vector<float> p, m, v, acc;
+  int64_t step = 0;
+};
+
+inline void RefStep(RefParam& t, const std::vector<float>& g, const GroupHyper& h,
+                    float grad_scale) {
+  t.step += 1;
+  const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t.step));
+  const double bc2 = 1 - std::pow(h.beta2, static_cast<double>(t.step));
+  const float step_size = static_cast<float>(h.lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
+  for (size_t i = 0; i < t.p.size(); ++i) {
+    const float gi = grad_scale == 1.0f ? g[i] : g[i] * grad_scale;
+    t.p[i] *= decay;  // param.mul_(1 - lr*wd)
+    t.m[i] = std::fma(static_cast<float>(1 - h.beta1), gi - t.m[i],
+                      t.m[i]);  // exp_avg.lerp_(g, 1-beta1)
+    t.v[i] =
+        std::fma(static_cast<float>(1 - h.beta2) * gi, gi, t.v[i] * static_cast<float>(h.beta2));
+    const float denom = std::sqrt(t.v[i]) / bc2_sqrt + static_cast<float>(h.eps);
+    t.p[i] = t.p[i] + (-step_size * t.m[i]) / denom;  // addcdiv_(m, denom, -step_size)
+  }
+}
+
+inline std::vector<float> RandomVec(size_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> d(0, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+inline double MaxRelDiff(const float* a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(a[i]) - b[i]);
+    worst = std::max(worst, diff / std::max(1e-3, std::fabs(static_cast<double>(b[i]))));
+  }
+  return worst;
+}
+
+inline double MaxAbsDiff(const float* a, const std::vector<float>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  return worst;
+}
+
+}  // namespace tsd::testing
