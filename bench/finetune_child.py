@@ -190,22 +190,28 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
 
     med = benchlib.settled_median
 
-    held = 0
+    held = speculated = redone = 0
     if session is not None:
         import trainstream
 
         with trainstream.connect(socket=a.socket) as c:
             job = getattr(getattr(session, "client", None), "job", None)
-            held = sum(j.used_bytes for j in c.jobs() if job is None or j.name == job)
+            mine = [j for j in c.jobs() if job is None or j.name == job]
+            held = sum(j.used_bytes for j in mine)
+            speculated = sum(j.speculated_commits for j in mine)
+            redone = sum(j.redone_commits for j in mine)
     pager = getattr(session, "pager", None)
     handle = getattr(session, "handle", None)
     host: dict[str, Any] = {}
     if session is not None:
         trained = [p for p in model.parameters() if p.requires_grad]
         moments = str(getattr(opt, "moment_dtype", moment_dtype))
+        # Clipping reads each gradient a second time for the norm, unless every step after the
+        # first speculated (the squares are summed in the update's pass, from cache) and none redid.
+        fused = bool(a.clip) and speculated >= a.steps - 1 and redone == 0
         per = stream.host_bytes_per_param(trained[0].element_size() if trained else 4,
                                           trained[0].element_size() if trained else 4,
-                                          2 if moments == "bfloat16" else 4, bool(a.clip))
+                                          2 if moments == "bfloat16" else 4, bool(a.clip) and not fused)
         n_trained = sum(p.numel() for p in trained)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
@@ -227,7 +233,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
                     check_memory_room_gib=(mplan.host_room / 2**30 if mplan.host_room is not None else None))
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
-        clip=a.clip, step_s_median=settled(times), steps=times, step_s_window=step_s_window,
+        clip=a.clip, speculated_commits=speculated, redone_commits=redone, step_s_median=settled(times), steps=times, step_s_window=step_s_window,
         settled_after=settled_after, first_settled_step=first + 1,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),

@@ -347,6 +347,8 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
     d["used_bytes"] = j.used_bytes;
     d["quota_bytes"] = j.quota_bytes;
     d["regions"] = j.regions;
+    d["speculated_commits"] = j.activity.speculated_commits;
+    d["redone_commits"] = j.activity.redone_commits;
     out.append(d);
   }
   return out;
@@ -369,12 +371,14 @@ HandlePtr RegisterOptimizer(
     const ClientPtr& client, const std::vector<py::dict>& groups,
     const std::vector<std::tuple<uint32_t, uint64_t, std::string, std::string>>& buckets,
     const std::string& moment_dtype, double max_grad_norm, bool accumulate, uint64_t seed,
-    bool amsgrad, bool maximize, uint32_t rank, uint32_t world, const std::string& pci_bus_id) {
+    bool amsgrad, bool maximize, uint32_t rank, uint32_t world, const std::string& pci_bus_id,
+    bool hold_clipped_updates) {
   tsd::OptimizerSpec spec =
       SpecOf(groups, buckets, moment_dtype, max_grad_norm, accumulate, seed, amsgrad, maximize);
   spec.rank = rank;
   spec.world = world;
   spec.pci_bus_id = pci_bus_id;  // the GPU's, for NUMA placement (tsd checks it)
+  spec.hold_clipped_updates = hold_clipped_updates;  // wrap(clip_speculation=False)
   auto h = NewHandle(client, spec);
   {
     py::gil_scoped_release release;
@@ -665,7 +669,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,
            py::arg("maximize") = false, py::arg("rank") = 0, py::arg("world") = 0,
-           py::arg("pci_bus_id") = "")
+           py::arg("pci_bus_id") = "", py::arg("hold_clipped_updates") = false)
       .def("resume_optimizer", &ResumeOptimizer, py::arg("groups"), py::arg("buckets"),
            py::arg("moment_dtype") = "float32", py::arg("max_grad_norm") = 0.0,
            py::arg("accumulate") = false, py::arg("seed") = 0, py::arg("amsgrad") = false,

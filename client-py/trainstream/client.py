@@ -45,6 +45,10 @@ class Job:
     used_bytes: int
     quota_bytes: int
     regions: int
+    # With max_grad_norm: commits whose updates tsd applied before the commit (speculated), and
+    # those of them it undid and redid (clipping bit, or the hyperparameters changed).
+    speculated_commits: int = 0
+    redone_commits: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -279,6 +279,86 @@ TEST_F(ResumeTest, WorkInFlightIsFinishedAndHeldDeliveriesAreRolledBack) {
   }
 }
 
+TEST_F(ResumeTest, ASpeculatedUpdateWithoutItsCommitIsUndone) {
+  // Clipping that did not bite in step 1 makes step 2 speculate: its final deliveries are applied
+  // before the commit. The trainer dies before step(): resuming undoes them (to within rounding),
+  // so the new trainer starts from step 1's state, and step 2 counts from there.
+  const uint64_t s = StartKeptJob();
+  v1::RegisterOptimizerRequest req = request_;
+  req.set_max_grad_norm(1.0);
+  ASSERT_TRUE(Registrar(*registry_).Register(s, req).ok());
+  Mapped control, grads, master, exp_avg, exp_avg_sq;
+  Map(s, "opt/control", control);
+  Map(s, "opt/grads", grads);
+  Map(s, "opt/master", master);
+  Map(s, "opt/exp_avg", exp_avg);
+  Map(s, "opt/exp_avg_sq", exp_avg_sq);
+  const wire::ControlView page = wire::ControlView::Of(control.data, 1);
+  page.groups[0] = {1e-3, 0.9, 0.999, 1e-8, 0.01};
+  const size_t stride = 4032 / 4;  // each bucket's 1000 floats, aligned to 64 bytes
+  auto* m = static_cast<float*>(master.data);
+  for (size_t i = 0; i < kBuckets * stride; ++i) m[i] = 0.001f * static_cast<float>(i % 977);
+  auto* g = static_cast<float*>(grads.data);
+  auto commit = [&](uint64_t n) {
+    page.header->commit.store(n);
+    page.header->doorbell.fetch_add(1);
+    wire::FutexWakeAll(&page.header->doorbell);
+    return WaitUntil([&] { return page.header->committed.load() == n; });
+  };
+  for (size_t i = 0; i < kBuckets * stride; ++i) g[i] = 1e-3f * static_cast<float>(i % 13);
+  for (int b = 0; b < kBuckets; ++b) Deliver(page, b, wire::kDeliveryFirst | wire::kDeliveryFinal);
+  ASSERT_TRUE(commit(1));  // norm about 0.4: the next step speculates
+  ASSERT_LT(page.header->last_grad_norm, 0.8);
+  auto copy = [](const Mapped& r) {
+    const float* f = static_cast<const float*>(r.data);
+    return std::vector<float>(f, f + kBuckets * 4032 / 4);
+  };
+  const std::vector<float> m1 = copy(master), a1 = copy(exp_avg), v1 = copy(exp_avg_sq);
+  for (size_t i = 0; i < kBuckets * stride; ++i) g[i] = -2e-3f * static_cast<float>(i % 7);
+  Deliver(page, 0, wire::kDeliveryFirst | wire::kDeliveryFinal);
+  Deliver(page, 2, wire::kDeliveryFirst | wire::kDeliveryFinal);
+  ASSERT_TRUE(WaitUntil([&] { return m[0 * stride + 5] != m1[0 * stride + 5]; }));
+  ASSERT_TRUE(WaitUntil([&] { return m[2 * stride + 5] != m1[2 * stride + 5]; }));
+  EXPECT_EQ(page.buckets[0].steps.load(), 1u);  // applied, not published
+  registry_->SessionDisconnected(s);            // died before step(): no commit
+
+  auto resumed = Attach(kOwner, {.resume = true});
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  req.set_resume(true);
+  auto r = Registrar(*registry_).Register(resumed->session_id, req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->resume().bucket_steps(), ::testing::ElementsAre(1u, 1u, 1u));
+  EXPECT_THAT(r->resume().rolled_back(), ::testing::ElementsAre(0u, 2u));
+  EXPECT_EQ(r->resume().committed(), 1u);
+  const std::vector<float> m2 = copy(master), a2 = copy(exp_avg), v2 = copy(exp_avg_sq);
+  // The undo's error is a few ulps of what the update added (|1-beta1| |g|, |1-beta2| g^2) or of
+  // the moment, whichever is larger.
+  double worst_m = 0, worst_a = 0, worst_v = 0;
+  for (size_t i = 0; i < m1.size(); ++i) {
+    const double g2 = g[i], added_a = 0.1 * std::fabs(g2), added_v = 0.001 * g2 * g2;
+    worst_m = std::max(worst_m, std::fabs(static_cast<double>(m2[i]) - m1[i]));
+    worst_a =
+        std::max(worst_a, std::fabs(static_cast<double>(a2[i]) - a1[i]) /
+                              std::max(std::fabs(static_cast<double>(a1[i])) + added_a, 1e-30));
+    worst_v =
+        std::max(worst_v, std::fabs(static_cast<double>(v2[i]) - v1[i]) /
+                              std::max(std::fabs(static_cast<double>(v1[i])) + added_v, 1e-30));
+  }
+  EXPECT_LE(worst_m, 1e-6);  // the master back within rounding
+  EXPECT_LE(worst_a, 1e-6);
+  EXPECT_LE(worst_v, 1e-6);
+  EXPECT_NE(m2, std::vector<float>(m2.size(), 0.0f));
+  // The new trainer's step 2 is every bucket's second.
+  for (int b = 0; b < kBuckets; ++b) Deliver(page, b, wire::kDeliveryFirst | wire::kDeliveryFinal);
+  ASSERT_TRUE(commit(2));
+  for (int b = 0; b < kBuckets; ++b) {
+    EXPECT_TRUE(WaitUntil([&] { return page.buckets[b].steps.load() == 2u; })) << b;
+  }
+  auto optimizer = registry_->OptimizerOf(resumed->session_id);
+  ASSERT_TRUE(optimizer.ok());
+  EXPECT_FALSE((*optimizer)->failed()) << (*optimizer)->failure();
+}
+
 TEST_F(ResumeTest, StateFilesCarryChecksumsAndACorruptOneChangesNothing) {
   const uint64_t s = StartKeptJob();
   ASSERT_TRUE(Registrar(*registry_).Register(s, request_).ok());
