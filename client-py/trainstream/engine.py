@@ -22,8 +22,9 @@ How a step flows (docs/python.md has the user's view):
 
 Hyperparameters come from `param_groups` (so LR schedulers work). Without clipping, updates run
 during backward, so the values are taken at the step's first gradient; `finish_step()` checks
-that they did not change in between. With clipping, they are written at `step()` and the daemon
-reads them when it takes the commit; the next step's values are written only once every pending
+that they did not change in between. With clipping, they are written at the step's first gradient
+(a speculated update, docs/optimizer.md, uses them) and again at `step()`, and the daemon uses those
+at the commit (redoing speculated updates if they changed); the next step's values are written only once every pending
 update was taken (`write_hyper` waits for them), so a scheduler stepping right after `step()`
 does not touch pending updates.
 """

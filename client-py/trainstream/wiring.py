@@ -57,7 +57,7 @@ OPTIONS: dict[str, Any] = {
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0,
-    "expandable_segments": "auto", "clip_speculation": True}
+    "expandable_segments": "auto", "clip_speculation": "auto"}
 OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 
@@ -114,6 +114,14 @@ class _Prepared:
                     maximize=self.maximize)
 
 
+def speculates(opts: dict[str, Any]) -> bool:
+    """Whether tsd may apply clipped updates before step() (wrap's clip_speculation): "auto" does,
+    except for a kept job, whose resume after a crash inside a step must undo nothing."""
+    if opts["clip_speculation"] != "auto":
+        return bool(opts["clip_speculation"])
+    return opts["keep_for"] is None and not opts["resume"]
+
+
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     unknown = set(options) - set(OPTIONS)
     if unknown:
@@ -133,8 +141,9 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     out["accumulation_steps"] = int(steps)
     if not isinstance(out["overlap_forward"], bool):
         raise ValueError(f"overlap_forward must be True or False, not {out['overlap_forward']!r}")
-    if not isinstance(out["clip_speculation"], bool):
-        raise ValueError(f"clip_speculation must be True or False, not {out['clip_speculation']!r}")
+    if out["clip_speculation"] not in (True, False, "auto") or isinstance(out["clip_speculation"], int) and \
+            not isinstance(out["clip_speculation"], bool):
+        raise ValueError(f"clip_speculation must be True, False or \"auto\", not {out['clip_speculation']!r}")
     mgn = out["max_grad_norm"]
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
         raise ValueError("max_grad_norm must be a finite number >= 0")
@@ -432,10 +441,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
     expandable from the moment a VRAM budget makes tsd page weights or activations, unless
     PYTORCH_CUDA_ALLOC_CONF names expandable_segments; True: from wrap(); False: left alone; the
     setting is process-wide and switched back at unwrap(); see allocator.py).
-    clip_speculation=True | False (with max_grad_norm: True lets tsd apply each update as its
-    gradient arrives while the last step's norm was under 0.8x max_grad_norm, and undo and redo it
-    at step() if clipping bites after all: the result is bit-identical when it does not bite and
-    within rounding when it does; False holds every update until step(), as tsd 0.4 did).
+    clip_speculation="auto" | True | False (with max_grad_norm: True lets tsd apply each update as
+    its gradient arrives while the last step's norm was under 0.8x max_grad_norm, and undo and redo
+    it at step() if clipping bites after all: bit-identical when it does not bite, within rounding
+    when it does; False holds every update until step(), as tsd 0.4 did; "auto": True, except for a
+    kept job (keep_for=, resume=), whose resume after a crash inside a step stays bit-identical).
     `budget`: a `trainstream.planner.Budget` whose set fields replace the measured ones.
     See docs/python.md."""
     t_start = time.perf_counter()
@@ -472,7 +482,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
                 bus_id = gpu_pci_bus_id(device)  # NUMA placement in tsd (none on a CPU)
                 if bus_id:
                     request["pci_bus_id"] = bus_id
-                request["hold_clipped_updates"] = not opts["clip_speculation"]
+                request["hold_clipped_updates"] = not speculates(opts)
                 handle = dp.register(client, request) if dp is not None else client._register_optimizer(**request)
         else:
             handle = None  # optimizer_gpu_fraction=1: every update on the device, none in tsd

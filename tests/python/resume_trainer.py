@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--keep-for", default=None)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--clip-speculation", action="store_true", help="wrap(clip_speculation=True)")
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--kill-where", default="between", choices=["between", "backward", "before-step"])
     ap.add_argument("--log", required=True)
@@ -33,7 +34,8 @@ def main() -> None:
     model = make_gpt(seed=0 if not a.resume else 99)  # a resumed run's weights must come from tsd
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     model, opt = trainstream.wrap(model, opt, device="cpu", socket=a.socket, job=a.job, keep_for=a.keep_for,
-                                  resume=a.resume, max_grad_norm=a.clip, offload=True, activation_offload=False)
+                                  resume=a.resume, max_grad_norm=a.clip, offload=True, activation_offload=False,
+                                  clip_speculation=True if a.clip_speculation else "auto")
     session = trainstream.unwrap_session(model)
     resumed = session.resumed
     start = resumed.steps if resumed is not None else 0

@@ -68,6 +68,28 @@ def test_a_killed_trainer_resumes_bit_identically(tsd, tmp_path, where, clip):
     assert job_sessions(tsd, job) is None, "unwrap() released the resumed job"
 
 
+def test_a_speculated_step_killed_before_step_is_undone_within_rounding(tsd, tmp_path):
+    """clip_speculation=True in a kept job: the limit never bites, so step 5's updates are applied as
+    backward delivers them; the trainer dies before step(). tsd undoes them (to within rounding) and
+    the resumed run redoes step 5: its losses and weights stay within 1e-6 of an uninterrupted run's
+    (clip_speculation="auto" holds in kept jobs, which keeps that bit-identical instead)."""
+    extra = ["--clip", "100", "--clip-speculation"]
+    job = "resume-speculated"
+    run_trainer(tsd, tmp_path, "whole", "--job", f"{job}-whole", *extra)
+    run_trainer(tsd, tmp_path, "cut", "--job", job, "--keep-for", "2m", "--kill-at", "5", "--kill-where", "before-step",
+                *extra, expect_killed=True)
+    summary = run_trainer(tsd, tmp_path, "cut", "--job", job, "--resume", *extra)
+    assert summary["resumed"] and summary["start"] == 5 and summary["rolled_back"]
+    whole, cut = losses(tmp_path, "whole"), losses(tmp_path, "cut")
+    assert sorted(cut) == list(range(STEPS))
+    assert all(cut[i] == whole[i] for i in range(5))
+    assert all(abs(cut[i] - whole[i]) <= 1e-6 * abs(whole[i]) for i in range(5, STEPS)), (cut, whole)
+    a, b = params(tmp_path, "whole"), params(tmp_path, "cut")
+    worst = max((a[n] - b[n]).abs().max().item() for n in a)
+    print(f"max |param diff| after the undone step: {worst:.3g}")
+    assert worst <= 1e-6
+
+
 def test_a_trainer_killed_mid_backward_resumes_and_reports(tsd, tmp_path):
     job = "resume-mid-backward"
     run_trainer(tsd, tmp_path, "cut", "--job", job, "--keep-for", "2m", "--kill-at", "3", "--kill-where", "backward",
