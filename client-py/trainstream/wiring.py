@@ -119,7 +119,7 @@ def speculates(opts: dict[str, Any]) -> bool:
     except for a kept job, whose resume after a crash inside a step must undo nothing."""
     if opts["clip_speculation"] != "auto":
         return bool(opts["clip_speculation"])
-    return opts["keep_for"] is None and not opts["resume"]
+    return not opts["keep_for"] and not opts["resume"]  # keep_for is parsed to seconds (0: not kept)
 
 
 def _check_options(options: dict[str, Any]) -> dict[str, Any]:

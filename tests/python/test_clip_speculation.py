@@ -39,11 +39,12 @@ def run_torch(limit: float, spikes: bool = False) -> tuple[list[torch.Tensor], l
     return [p.detach().clone() for p in model.parameters()], norms
 
 
-def run_tsd(tsd: Any, limit: float, speculate: bool, spikes: bool = False) -> dict[str, Any]:
+def run_tsd(tsd: Any, limit: float, speculate: Any, spikes: bool = False, **wrap_kw: Any) -> dict[str, Any]:
     model = make_gpt(0)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)
-    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, max_grad_norm=limit,
-                                  clip_speculation=speculate)
+    if speculate is not None:
+        wrap_kw["clip_speculation"] = speculate
+    model, opt = trainstream.wrap(model, opt, device="cpu", socket=tsd.socket, max_grad_norm=limit, **wrap_kw)
     session = trainstream.unwrap_session(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     norms, losses = [], []
@@ -103,6 +104,15 @@ def test_speculation_redone_when_clipping_bites_stays_within_1e6_of_torch(tsd):
     print(f"max |param diff| vs torch: held {max_diff(held['params'], ref):.3g}, "
           f"speculated {max_diff(fast['params'], ref):.3g}")
     assert fast["norms"] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_auto_speculates_except_in_a_kept_job(tsd, kept):
+    """The default ("auto") speculates; in a kept job (keep_for=) it holds, so a crash inside a step
+    resumes bit-identically."""
+    kw = dict(job="spec-kept", keep_for="1m") if kept else {}
+    got = run_tsd(tsd, 1e3, None, **kw)
+    assert (got["speculated"], got["redone"]) == ((0, 0) if kept else (STEPS - 1, 0))
 
 
 def test_clip_speculation_option_is_checked(tsd):
