@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "proto/futex.h"
@@ -523,6 +524,16 @@ absl::StatusOr<kernels::AdamWHyper> JobOptimizer::PageHyper(uint32_t group) cons
   return h;
 }
 
+std::optional<kernels::AdamWHyper> JobOptimizer::NextStepHyper(BucketRun& run) {
+  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
+  if (!h.ok()) {
+    Fail(std::string(h.status().message()));
+    return std::nullopt;
+  }
+  h->step = ++run.steps;
+  return *h;
+}
+
 kernels::AdamWTensors JobOptimizer::Tensors(const BucketRun& run, const void* grad,
                                             kernels::DType grad_dtype, int64_t begin,
                                             int64_t n) const {
@@ -546,12 +557,8 @@ kernels::AdamWTensors JobOptimizer::Tensors(const BucketRun& run, const void* gr
 
 void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
   BucketRun& run = *runs_[b];
-  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
-  if (!h.ok()) {
-    Fail(std::string(h.status().message()));
-    return;
-  }
-  h->step = ++run.steps;
+  const std::optional<kernels::AdamWHyper> h = NextStepHyper(run);
+  if (!h) return;
   run.spec_hyper = *h;
   run.held_from_accum = from_accum;
   const size_t chunks = NumChunks(run.plan.numel);
@@ -619,17 +626,14 @@ void JobOptimizer::UndoSpeculation(size_t b) {
 void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
                               float grad_scale, std::function<void()> after) {
   BucketRun& run = *runs_[b];
-  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
-  if (!h.ok()) {
-    Fail(std::string(h.status().message()));
-    return;
-  }
-  h->step = ++run.steps;
-  h->grad_scale = grad_scale;
+  const std::optional<kernels::AdamWHyper> h = NextStepHyper(run);
+  if (!h) return;
+  kernels::AdamWHyper hyper = *h;
+  hyper.grad_scale = grad_scale;
   run.started = std::chrono::steady_clock::now();
   RunChunked(
       b,
-      [this, run = &run, grad, grad_dtype, hyper = *h](int64_t begin, int64_t n, size_t) {
+      [this, run = &run, grad, grad_dtype, hyper](int64_t begin, int64_t n, size_t) {
         kernels::AdamWStep(Tensors(*run, grad, grad_dtype, begin, n), hyper, isa_);
       },
       [this, b, after = std::move(after)] {

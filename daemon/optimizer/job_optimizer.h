@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -208,6 +209,9 @@ class JobOptimizer final {
   void UndoSpeculation(size_t b);
   // The group's hyperparameters from the page (checked; the page is the client's).
   absl::StatusOr<kernels::AdamWHyper> PageHyper(uint32_t group) const;
+  // The bucket's next step: the page's hyperparameters and its step count, incremented; nullopt
+  // (the optimizer failed) when the page's values are invalid.
+  std::optional<kernels::AdamWHyper> NextStepHyper(BucketRun& run);
   // The tensors of bucket `run`'s elements [begin, begin + n) for the kernels.
   kernels::AdamWTensors Tensors(const BucketRun& run, const void* grad, kernels::DType grad_dtype,
                                 int64_t begin, int64_t n) const;

@@ -40,6 +40,25 @@ inline void RefStep(RefParam& t, const std::vector<float>& g, const GroupHyper& 
   }
 }
 
+// Four fp32 buckets in two groups (one without weight decay, its own betas and eps): two split
+// across the daemon's worker chunks, two small enough to run inline.
+struct RefLayout {
+  std::vector<uint64_t> sizes = {1000, 700001, 33, 300000};
+  std::vector<uint32_t> group_of = {0, 0, 1, 1};
+  OptimizerSpec spec;
+};
+
+inline RefLayout TwoGroupLayout(double max_grad_norm, bool accumulate) {
+  RefLayout l;
+  l.spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1},
+                   {.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.0}};
+  for (size_t b = 0; b < l.sizes.size(); ++b)
+    l.spec.buckets.push_back({l.group_of[b], l.sizes[b], DType::kF32, DType::kF32});
+  l.spec.max_grad_norm = max_grad_norm;
+  l.spec.accumulate = accumulate;
+  return l;
+}
+
 inline std::vector<float> RandomVec(size_t n, std::mt19937& rng, float scale) {
   std::normal_distribution<float> d(0, scale);
   std::vector<float> v(n);

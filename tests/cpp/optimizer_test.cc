@@ -52,15 +52,10 @@ Setup Attach(DaemonProcess& d, const std::string& job, const OptimizerSpec& spec
 TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
   auto d = DaemonProcess::Start({.args = {"--pool-size", "512MiB", "--optimizer-threads", "2"}});
   ASSERT_TRUE(d);
-  const std::vector<uint64_t> sizes = {1000, 700001, 33, 300000};
-  const std::vector<uint32_t> group_of = {0, 0, 1, 1};
-  OptimizerSpec spec;
-  spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1},
-                 {.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.0}};
-  for (size_t b = 0; b < sizes.size(); ++b)
-    spec.buckets.push_back({group_of[b], sizes[b], DType::kF32, DType::kF32});
-  spec.max_grad_norm = 1.0;
-  spec.accumulate = true;
+  const RefLayout layout = TwoGroupLayout(/*max_grad_norm=*/1.0, /*accumulate=*/true);
+  const std::vector<uint64_t>& sizes = layout.sizes;
+  const std::vector<uint32_t>& group_of = layout.group_of;
+  const OptimizerSpec& spec = layout.spec;
   auto s = Attach(*d, "adamw-ref", spec);
   ASSERT_TRUE(s.opt);
   std::mt19937 rng(7);
