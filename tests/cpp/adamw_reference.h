@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "tsd/optimizer.h"
@@ -57,6 +58,20 @@ inline RefLayout TwoGroupLayout(double max_grad_norm, bool accumulate) {
   l.spec.max_grad_norm = max_grad_norm;
   l.spec.accumulate = accumulate;
   return l;
+}
+
+// torch.nn.utils.clip_grad_norm_ over `grads`: the global norm (in fp32) and the coefficient
+// min(1, max_norm / (norm + 1e-6)) in fp32.
+inline std::pair<float, float> ClipOf(const std::vector<std::vector<float>>& grads,
+                                      double max_norm) {
+  double total = 0;
+  for (const auto& g : grads) {
+    for (float x : g) total += static_cast<double>(x) * x;
+  }
+  const float norm = static_cast<float>(std::sqrt(total));
+  float coef = static_cast<float>(max_norm) / (norm + 1e-6f);
+  if (coef > 1.0f) coef = 1.0f;
+  return {norm, coef};
 }
 
 inline std::vector<float> RandomVec(size_t n, std::mt19937& rng, float scale) {

@@ -143,13 +143,7 @@ TEST_P(Speculation, KeptWhenClippingDoesNotBiteRedoneWhenItDoes) {
         }
       }
     }
-    double total = 0;
-    for (const auto& a : acc) {
-      for (float x : a) total += static_cast<double>(x) * x;
-    }
-    const float norm = static_cast<float>(std::sqrt(total));
-    float coef = 1.0f / (norm + 1e-6f);
-    if (coef > 1.0f) coef = 1.0f;
+    const auto [norm, coef] = ClipOf(acc, 1.0);
     const bool speculates = step > 1 && std::isfinite(last) && last < 0.8;
     if (speculates) {
       // Applied before the commit, published only by it; the holding job has not moved.
