@@ -140,6 +140,8 @@ TEST(Activity, TsctlShowsIt) {
     EXPECT_DOUBLE_EQ(a["step_wait_s"].get<double>(), 0.003) << a;
     EXPECT_EQ(a["h2d_bytes_per_step"], 2 << 20) << a;
     EXPECT_EQ(a["d2h_bytes_per_step"], 0) << a;
+    EXPECT_EQ(a["speculated_commits"], 0) << a;  // no clipping here (speculation_test.cc counts)
+    EXPECT_EQ(a["redone_commits"], 0) << a;
   }
 
   // top: the activity table, one row per job in the memory table's order.
