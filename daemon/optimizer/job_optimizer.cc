@@ -402,26 +402,32 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
   return true;
 }
 
+JobOptimizer::FinalGrad JobOptimizer::FinalGradOf(const BucketRun& run, bool from_accum) {
+  if (from_accum) return {run.accum, kernels::DType::kF32};
+  return {run.grad, run.plan.grad_dtype};
+}
+
 void JobOptimizer::HoldForCommit(size_t b, bool from_accum) {
   BucketRun& run = *runs_[b];
   run.held_from_accum = from_accum;
-  run.partial.assign(static_cast<size_t>((run.plan.numel + kChunk - 1) / kChunk) + 1, 0.0);
-  const kernels::DType gd = from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
-  const char* grad =
-      from_accum ? reinterpret_cast<const char*>(run.accum) : static_cast<const char*>(run.grad);
+  run.partial.assign(NumChunks(run.plan.numel) + 1, 0.0);
+  const FinalGrad g = FinalGradOf(run, from_accum);
   RunChunked(
       b,
-      [this, run = &run, grad, gd](int64_t begin, int64_t n, size_t chunk) {
-        run->partial[chunk] =
-            kernels::SumSquares(grad + begin * kernels::DTypeSize(gd), gd, n, isa_);
+      [this, run = &run, g](int64_t begin, int64_t n, size_t chunk) {
+        run->partial[chunk] = kernels::SumSquares(
+            static_cast<const char*>(g.data) + begin * kernels::DTypeSize(g.dtype), g.dtype, n,
+            isa_);
       },
-      [this, run = &run] {
-        run->sumsq = 0;
-        for (double x : run->partial) run->sumsq += x;
-        run->held = true;
-        run->busy.store(false, std::memory_order_release);
-        Kick();
-      });
+      [this, run = &run] { Held(*run); });
+}
+
+void JobOptimizer::Held(BucketRun& run) {
+  run.sumsq = 0;
+  for (double x : run.partial) run.sumsq += x;
+  run.held = true;
+  run.busy.store(false, std::memory_order_release);
+  Kick();
 }
 
 void JobOptimizer::MaybeApplyCommit() {
@@ -461,8 +467,7 @@ void JobOptimizer::MaybeApplyCommit() {
     BucketRun& run = *runs_[b];
     run.held = false;
     run.busy.store(true, std::memory_order_relaxed);
-    const void* grad = run.held_from_accum ? static_cast<const void*>(run.accum) : run.grad;
-    const kernels::DType gd = run.held_from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+    const FinalGrad g = FinalGradOf(run, run.held_from_accum);
     auto after = [this, b, target] {
       CompleteDelivery(b);
       if (commit_left_.fetch_sub(1) == 1) {
@@ -473,7 +478,7 @@ void JobOptimizer::MaybeApplyCommit() {
       }
     };
     if (!run.speculated) {
-      StepBucket(b, grad, gd, coef, std::move(after));
+      StepBucket(b, g.data, g.dtype, coef, std::move(after));
       continue;
     }
     // Speculated: kept when it is what the commit would compute (coefficient 1, the same
@@ -497,7 +502,7 @@ void JobOptimizer::MaybeApplyCommit() {
       after();
     } else {
       redone = true;
-      RedoBucket(b, grad, gd, *h, std::move(after));
+      RedoBucket(b, g.data, g.dtype, *h, std::move(after));
     }
   }
   if (speculated) speculated_commits_.fetch_add(1, std::memory_order_relaxed);
@@ -564,16 +569,15 @@ void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
   const size_t chunks = NumChunks(run.plan.numel);
   run.partial.assign(chunks + 1, 0.0);
   run.spec_chunks.assign(chunks, 0);
-  const kernels::DType gd = from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
-  const void* grad = from_accum ? static_cast<const void*>(run.accum) : run.grad;
+  const FinalGrad g = FinalGradOf(run, from_accum);
   run.started = std::chrono::steady_clock::now();
   RunChunked(
       b,
-      [this, run = &run, grad, gd, hyper = *h](int64_t begin, int64_t n, size_t chunk) {
-        const kernels::AdamWTensors t = Tensors(*run, grad, gd, begin, n);
+      [this, run = &run, g, hyper = *h](int64_t begin, int64_t n, size_t chunk) {
+        const kernels::AdamWTensors t = Tensors(*run, g.data, g.dtype, begin, n);
         // The squares first, in the same pass (the chunk is still in cache for the update): a
         // non-finite chunk is not applied, so its commit never has to undo an Inf or a NaN.
-        const double sumsq = kernels::SumSquares(t.grad, gd, n, isa_);
+        const double sumsq = kernels::SumSquares(t.grad, g.dtype, n, isa_);
         run->partial[chunk] = sumsq;
         if (std::isfinite(sumsq)) {
           kernels::AdamWStep(t, hyper, isa_);
@@ -581,13 +585,9 @@ void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
         }
       },
       [this, b, run = &run] {
-        run->sumsq = 0;
-        for (double x : run->partial) run->sumsq += x;
         RecordLatency(b);
-        run->held = true;
         run->speculated = true;
-        run->busy.store(false, std::memory_order_release);
-        Kick();
+        Held(*run);
       });
 }
 
@@ -611,13 +611,12 @@ void JobOptimizer::RedoBucket(size_t b, const void* grad, kernels::DType grad_dt
 
 void JobOptimizer::UndoSpeculation(size_t b) {
   BucketRun& run = *runs_[b];
-  const void* grad = run.held_from_accum ? static_cast<const void*>(run.accum) : run.grad;
-  const kernels::DType gd = run.held_from_accum ? kernels::DType::kF32 : run.plan.grad_dtype;
+  const FinalGrad g = FinalGradOf(run, run.held_from_accum);
   for (size_t c = 0; c < run.spec_chunks.size(); ++c) {
     if (run.spec_chunks[c] == 0) continue;
     const int64_t begin = static_cast<int64_t>(c) * kChunk;
     const int64_t n = std::min(kChunk, run.plan.numel - begin);
-    kernels::AdamWUndo(Tensors(run, grad, gd, begin, n), run.spec_hyper);
+    kernels::AdamWUndo(Tensors(run, g.data, g.dtype, begin, n), run.spec_hyper);
   }
   --run.steps;
   run.speculated = false;
@@ -675,7 +674,7 @@ void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, siz
     done();
     return;
   }
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t chunks = static_cast<int64_t>(NumChunks(n));
   run.remaining.store(chunks, std::memory_order_relaxed);
   auto shared_fn = std::make_shared<std::function<void(int64_t, int64_t, size_t)>>(std::move(fn));
   auto shared_done = std::make_shared<std::function<void()>>(std::move(done));

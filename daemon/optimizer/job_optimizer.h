@@ -190,9 +190,18 @@ class JobOptimizer final {
   // ranks' (each must be the commits applied or one more). False after a failure.
   bool ReadCommit(uint64_t* commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   bool TakeDelivery(size_t b, uint64_t ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // A bucket's final gradient of a step: its grad slot, or (accumulated) the fp32 accumulator.
+  struct FinalGrad {
+    const void* data = nullptr;
+    kernels::DType dtype = kernels::DType::kF32;
+  };
+  static FinalGrad FinalGradOf(const BucketRun& run, bool from_accum);
   // Clipping: sums the squares of the bucket's final gradient (its grad slot, or the accumulator)
   // on the pool, then holds the bucket until the commit.
   void HoldForCommit(size_t b, bool from_accum);
+  // The end of a hold (held or speculated): the bucket's sum of squares from its chunks', the
+  // bucket held and released to the dispatcher, which is woken.
+  void Held(BucketRun& run);
   void MaybeApplyCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
   // Whether bucket b's final delivery of this step may be applied before its commit: the plan
   // allows it, the bucket has stepped before, and the last step's norm was under
