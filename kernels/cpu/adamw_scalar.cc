@@ -6,32 +6,11 @@
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/element.h"
 #include "kernels/cpu/sr_hash.h"
 
 namespace tsd::kernels::detail {
 namespace {
-
-template <DType D>
-inline float LoadAsF32(const void* base, int64_t i) {
-  if constexpr (D == DType::kF32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (D == DType::kBF16) {
-    return Bf16ToF32(static_cast<const uint16_t*>(base)[i]);
-  } else {
-    return F16ToF32(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-inline float LoadAsF32(DType d, const void* base, int64_t i) {
-  switch (d) {
-    case DType::kBF16:
-      return LoadAsF32<DType::kBF16>(base, i);
-    case DType::kF16:
-      return LoadAsF32<DType::kF16>(base, i);
-    default:
-      return LoadAsF32<DType::kF32>(base, i);
-  }
-}
 
 // 0: no param output; else the param dtype.
 enum class POut { kNone, kF32, kBF16, kF16 };

@@ -16,36 +16,9 @@
 #include <cstdint>
 
 #include "kernels/cpu/adamw.h"
-#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/element.h"
 
 namespace tsd::kernels {
-namespace {
-
-float Load(DType d, const void* base, int64_t i) {
-  switch (d) {
-    case DType::kBF16:
-      return Bf16ToF32(static_cast<const uint16_t*>(base)[i]);
-    case DType::kF16:
-      return F16ToF32(static_cast<const uint16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
-
-void Store(DType d, void* base, int64_t i, float x) {
-  switch (d) {
-    case DType::kBF16:
-      static_cast<uint16_t*>(base)[i] = F32ToBf16Rne(x);
-      break;
-    case DType::kF16:
-      static_cast<uint16_t*>(base)[i] = F32ToF16Rne(x);
-      break;
-    default:
-      static_cast<float*>(base)[i] = x;
-  }
-}
-
-}  // namespace
 
 void AdamWUndo(const AdamWTensors& t, const AdamWHyper& h) {
   if (t.n <= 0) return;
@@ -53,19 +26,19 @@ void AdamWUndo(const AdamWTensors& t, const AdamWHyper& h) {
   const double w = c.lerp_weight, keep = 1.0 - w;
   const double omb2 = c.one_minus_beta2, b2 = c.beta2;
   for (int64_t i = 0; i < t.n; ++i) {
-    float g = Load(t.grad_dtype, t.grad, i);
+    float g = detail::LoadAsF32(t.grad_dtype, t.grad, i);
     if (c.scale_grad) g = g * c.grad_scale;
-    const float m1 = Load(t.moment_dtype, t.exp_avg, i);
-    const float v1 = Load(t.moment_dtype, t.exp_avg_sq, i);
+    const float m1 = detail::LoadAsF32(t.moment_dtype, t.exp_avg, i);
+    const float v1 = detail::LoadAsF32(t.moment_dtype, t.exp_avg_sq, i);
     const float denom = std::sqrt(v1) / c.bc2_sqrt + c.eps;
     const float u = (c.neg_step_size * m1) / denom;
     const double p = (static_cast<double>(t.master[i]) - u) / c.decay;
     const double m = keep != 0 ? (m1 - w * g) / keep : 0.0;
     const double v = b2 != 0 ? std::max(0.0, (v1 - omb2 * g * static_cast<double>(g)) / b2) : 0.0;
     t.master[i] = static_cast<float>(p);
-    Store(t.moment_dtype, t.exp_avg, i, static_cast<float>(m));
-    Store(t.moment_dtype, t.exp_avg_sq, i, static_cast<float>(v));
-    if (t.param_out != nullptr) Store(t.param_dtype, t.param_out, i, t.master[i]);
+    detail::StoreRne(t.moment_dtype, t.exp_avg, i, static_cast<float>(m));
+    detail::StoreRne(t.moment_dtype, t.exp_avg_sq, i, static_cast<float>(v));
+    if (t.param_out != nullptr) detail::StoreRne(t.param_dtype, t.param_out, i, t.master[i]);
   }
 }
 
