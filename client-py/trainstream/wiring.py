@@ -141,8 +141,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
     out["accumulation_steps"] = int(steps)
     if not isinstance(out["overlap_forward"], bool):
         raise ValueError(f"overlap_forward must be True or False, not {out['overlap_forward']!r}")
-    if out["clip_speculation"] not in (True, False, "auto") or isinstance(out["clip_speculation"], int) and \
-            not isinstance(out["clip_speculation"], bool):
+    if not (out["clip_speculation"] is True or out["clip_speculation"] is False or out["clip_speculation"] == "auto"):
         raise ValueError(f"clip_speculation must be True, False or \"auto\", not {out['clip_speculation']!r}")
     mgn = out["max_grad_norm"]
     if mgn is not None and not (float(mgn) >= 0 and math.isfinite(float(mgn))):
