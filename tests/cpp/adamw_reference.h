@@ -81,6 +81,17 @@ inline std::vector<float> RandomVec(size_t n, std::mt19937& rng, float scale) {
   return v;
 }
 
+// One reference parameter per size: weights drawn from N(0, 0.5), moments zero.
+inline std::vector<RefParam> RandomRef(const std::vector<uint64_t>& sizes, std::mt19937& rng) {
+  std::vector<RefParam> ref(sizes.size());
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    ref[b].p = RandomVec(sizes[b], rng, 0.5f);
+    ref[b].m.assign(sizes[b], 0);
+    ref[b].v.assign(sizes[b], 0);
+  }
+  return ref;
+}
+
 inline double MaxRelDiff(const float* a, const std::vector<float>& b) {
   double worst = 0;
   for (size_t i = 0; i < b.size(); ++i) {

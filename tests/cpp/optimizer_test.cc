@@ -59,11 +59,8 @@ TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
   auto s = Attach(*d, "adamw-ref", spec);
   ASSERT_TRUE(s.opt);
   std::mt19937 rng(7);
-  std::vector<RefParam> ref(sizes.size());
+  std::vector<RefParam> ref = RandomRef(sizes, rng);
   for (size_t b = 0; b < sizes.size(); ++b) {
-    ref[b].p = RandomVec(sizes[b], rng, 0.5f);
-    ref[b].m.assign(sizes[b], 0);
-    ref[b].v.assign(sizes[b], 0);
     std::memcpy(s.opt->master(b), ref[b].p.data(), sizes[b] * 4);
   }
   bool clipped_some = false;

@@ -97,11 +97,8 @@ TEST_P(Speculation, KeptWhenClippingDoesNotBiteRedoneWhenItDoes) {
   std::mt19937 rng(11);
   uint64_t total_numel = 0;
   for (uint64_t n : sizes) total_numel += n;
-  std::vector<RefParam> ref(sizes.size());
+  std::vector<RefParam> ref = RandomRef(sizes, rng);
   for (size_t b = 0; b < sizes.size(); ++b) {
-    ref[b].p = RandomVec(sizes[b], rng, 0.5f);
-    ref[b].m.assign(sizes[b], 0);
-    ref[b].v.assign(sizes[b], 0);
     std::memcpy(fast.opt->master(b), ref[b].p.data(), sizes[b] * 4);
     std::memcpy(held.opt->master(b), ref[b].p.data(), sizes[b] * 4);
   }
