@@ -24,7 +24,8 @@ A mode written MODE:uncapped ignores --cap-gib (the same configuration uncapped,
 MODE:cap=G and MODE:clip=X run that entry under a G GiB cap or with max_grad_norm X (a budget
 sweep, or both clippings, in one interleaved run: tsd_bf16_act:cap=12,tsd_bf16_act:cap=24,stock);
 MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry, and
-MODE:alloc=expandable runs it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (variants
+MODE:alloc=expandable runs it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and a tsd
+mode's MODE:threads=N runs against a tsd of its own started with --optimizer-threads N (variants
 chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.
 --param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
 (wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
@@ -78,14 +79,13 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
-import time
 from typing import Any, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import benchlib  # noqa: E402
+import finetune_daemons  # noqa: E402
 import stream  # noqa: E402
 from finetune_child import run_capped, run_tsd_mode  # noqa: E402
 from finetune_modes import (ALL_MODES, DTYPES, OFFLOAD_MODES, PEER_MODES, TINY, TSD_MODES,  # noqa: E402
@@ -173,7 +173,8 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
     return out
 
 
-def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
+def child_argv(mode: str, a: argparse.Namespace, socket: Optional[str] = None) -> list[str]:
+    """The command of one --modes entry's child; `socket` is the tsd a tsd mode's child attaches to."""
     entry = mode
     mode, a = mode_settings(mode, a)
     common = ["--arch", a.arch, "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps)]
@@ -185,7 +186,7 @@ def child_argv(mode: str, a: argparse.Namespace) -> list[str]:
             return [sys.executable, os.path.abspath(__file__), "--run-capped", str(a.cap_gib), a.offload_peers, mode,
                     *common, *clip]
         return [sys.executable, a.offload_peers, mode, *common, *clip]
-    return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", a.socket or "", "--device", a.device,
+    return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", socket or a.socket or "", "--device", a.device,
             *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
@@ -252,27 +253,6 @@ def outcome(run: benchlib.ChildRun, tsd_pss_before: Optional[int] = None
         values["host_check_bound_gib"] = bound
         values["host_within_check"] = int(values["host_pss_peak_gib"] <= bound)
     return "ok", None, values, raw
-
-
-def start_daemon(a: argparse.Namespace) -> subprocess.Popen[bytes]:
-    import trainstream
-
-    binary = a.tsd_bin or os.environ.get("TSD_BIN") or os.path.join(ROOT, "build", "bin", "tsd")
-    if not os.path.exists(binary):
-        sys.exit(f"finetune_bench: no tsd at {binary}: build it (scripts/build.sh) or pass --tsd-bin/--socket")
-    a.socket = os.path.join(tempfile.mkdtemp(prefix="tsd-bench-"), "tsd.sock")
-    daemon = subprocess.Popen([binary, "--socket", a.socket, "--pool-size", a.pool_size, "--metrics-listen", "",
-                               *a.daemon_args.split()], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    for _ in range(300):
-        try:
-            trainstream.connect(socket=a.socket).close()
-            return daemon
-        except trainstream.DaemonUnavailable:
-            if daemon.poll() is not None:
-                break
-            time.sleep(0.1)
-    daemon.kill()
-    sys.exit(f"finetune_bench: tsd did not start (exit status {daemon.poll()}); run {binary} --help")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -402,37 +382,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     skips = {m: skip_reason(base_mode(m), a) for m in a.modes_list}
     nvml = benchlib.Nvml.open() if a.device == "cuda" else None
     gpu = benchlib.Nvml.index_for_visible()
-    daemon = client = None
+    daemons = finetune_daemons.Daemons(a)
     try:
+        default = None
         if any(base_mode(m) in TSD_MODES and skips[m] is None for m in a.modes_list):
-            import trainstream
-
-            if a.socket is None:
-                daemon = start_daemon(a)
-            client = trainstream.connect(socket=a.socket)
-        daemon_pid = client.status().pid if client is not None else None
-        # What tsd lends before any mode runs (other jobs, with --socket): the level a mode's job leaves it at.
-        idle_used = client.status().used_bytes if client is not None else 0
+            default = daemons.get()
         want_stream = a.stream == "on" or (a.stream == "auto" and a.device == "cuda")
         if prior:  # the run's own STREAM, measured by the command that began it
             measured_stream = next((r["values"] for r in prior if r["mode"] == "stream" and r["status"] == "ok"), None)
         else:
-            measured_stream = measure_stream(a, rec) if client is not None and want_stream else None
+            measured_stream = measure_stream(a, rec) if default is not None and want_stream else None
         for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set, first_round):
             if skips[mode] is not None:
                 if repeat == 0:
                     rec.record(mode, workload(mode, a, {}), {}, status="skipped", reason=skips[mode], repeat=repeat)
                     print(f"@@{json.dumps({'mode': mode, 'skipped': skips[mode]})}", flush=True)
                 continue
-            tsd = base_mode(mode) in TSD_MODES
-            if client is not None:  # tsd frees a finished (or failed) child's job after it goes: wait for that
-                deadline = time.time() + 120
-                while client.status().used_bytes > idle_used and time.time() < deadline:
-                    time.sleep(0.5)
-            tsd_pss_before = benchlib.pss_bytes(daemon_pid) if tsd and daemon_pid else None
-            conf = getattr(mode_settings(mode, a)[1], "alloc_conf", None)
-            run = benchlib.run_sampled(child_argv(mode, a), a.sample_interval, daemon_pid if tsd else None,
-                                       (lambda: client.status().used_bytes) if tsd and client else None, nvml, gpu,
+            settings = mode_settings(mode, a)[1]
+            tsd = daemons.get(getattr(settings, "daemon_threads", None)) if base_mode(mode) in TSD_MODES else None
+            for d in daemons.by_threads.values():  # tsd frees a finished (or failed) child's job after it goes
+                d.wait_idle()
+            tsd_pss_before = benchlib.pss_bytes(tsd.pid) if tsd is not None else None
+            conf = getattr(settings, "alloc_conf", None)
+            run = benchlib.run_sampled(child_argv(mode, a, tsd.socket if tsd else None), a.sample_interval,
+                                       tsd.pid if tsd else None,
+                                       (lambda: tsd.client.status().used_bytes) if tsd else None, nvml, gpu,
                                        env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else None)
             status, reason, values, raw = outcome(run, tsd_pss_before)
             if status == "failed":  # the whole traceback, for the log of the run
@@ -443,11 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("@@" + json.dumps({"mode": mode, "repeat": repeat, "status": status, **(
                 {"reason": reason[-300:]} if reason else {}), **values}), flush=True)
     finally:
-        if client is not None:
-            client.close()
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(30)
+        daemons.close()
     if prior:  # the run's records from both files, each once
         records = benchlib.run_records([rec.path, a.prior], rec.run_id, "finetune_bench")
     else:

@@ -1,7 +1,7 @@
 """The modes of `finetune_bench.py` and the settings of a --modes entry: which modes exist, what
 each needs and keeps in which precision, the interleaved order of a run's rounds, why a mode
 cannot run here, and the variants an entry may carry (MODE:uncapped, :cap=G, :clip=X,
-:overlap=on|off, :gpu=F|auto, :alloc=expandable)."""
+:overlap=on|off, :gpu=F|auto, :alloc=expandable, :threads=N)."""
 from __future__ import annotations
 
 import argparse
@@ -72,7 +72,8 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
     """The mode of a --modes entry and the settings it runs with: MODE, then any of :uncapped
     (no --cap-gib), :cap=G (--cap-gib G: a budget sweep in one run), :clip=X (--clip X),
     :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), :alloc=expandable
-    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the child's environment), e.g.
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the child's environment), :threads=N (a
+    tsd of its own started with --optimizer-threads N; the setting is `daemon_threads`), e.g.
     tsd_bf16_act:overlap=off beside tsd_bf16_act in one run. Raises ValueError for anything else."""
     name, *variants = mode.split(":")
     over: dict[str, Any] = {}
@@ -93,9 +94,15 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
             over["gpu_fraction"] = value
         elif key == "alloc" and value in ALLOC_CONFS:
             over["alloc_conf"] = ALLOC_CONFS[value]
+        elif key == "threads" and eq:
+            if name not in TSD_MODES:
+                raise ValueError(f"mode {mode!r}: threads={value} sets tsd's optimizer threads; {name} does not use tsd")
+            if not value.isdigit() or not 1 <= int(value) <= 4096:
+                raise ValueError(f"mode {mode!r}: threads={value} is not a thread count (an integer in 1..4096)")
+            over["daemon_threads"] = int(value)
         else:
             raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, cap=G, clip=X, overlap=on|off, gpu=F|auto, "
-                             f"alloc={'|'.join(ALLOC_CONFS)})")
+                             f"alloc={'|'.join(ALLOC_CONFS)}, threads=N)")
     return name, argparse.Namespace(**{**vars(a), **over})
 
 

@@ -362,6 +362,42 @@ def test_mode_variants_set_the_entrys_settings():
             fb.mode_settings(bad, a)
 
 
+def test_a_threads_variant_runs_against_a_tsd_of_its_own(tmp_path):
+    """MODE:threads=N: the bench starts a second tsd with --optimizer-threads N for that entry, the
+    other entry runs on the run's default tsd, and each record says how many threads served it."""
+    from conftest import tsd_binary
+
+    results = tmp_path / "finetune.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
+           "--batch", "2", "--seq", "16", "--steps", "3", "--modes", "tsd,tsd:threads=1", "--tsd-bin", tsd_binary(),
+           "--pool-size", "1GiB", "--daemon-args", "--optimizer-threads 3 --optimizer-nice 5",
+           "--results", str(results), "--sample-interval", "0.05"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = {r["mode"]: r for r in benchlib.read_results(str(results))}
+    assert records["tsd"]["status"] == "ok" and records["tsd:threads=1"]["status"] == "ok"
+    assert records["tsd"]["workload"]["tsd_threads"] == 3  # --daemon-args' count
+    assert records["tsd:threads=1"]["workload"]["tsd_threads"] == 1  # its own tsd's, replacing that flag
+    assert records["tsd"]["values"]["tsd_pss_peak_gib"] > 0 and records["tsd:threads=1"]["values"]["tsd_pss_peak_gib"] > 0
+
+
+def test_threads_variant_settings_and_refusals():
+    import finetune_bench as fb
+    import finetune_daemons
+
+    a = fb.parse_args(["--device", "cpu"])
+    assert fb.mode_settings("tsd_bf16_act:threads=14", a)[1].daemon_threads == 14
+    assert not hasattr(fb.mode_settings("tsd_bf16_act", a)[1], "daemon_threads")
+    for bad, says in (("stock:threads=4", "does not use tsd"), ("tsd:threads=0", "not a thread count"),
+                      ("tsd:threads=x", "not a thread count"), ("tsd:threads=", "not a thread count")):
+        with pytest.raises(ValueError, match=says):
+            fb.mode_settings(bad, a)
+    assert finetune_daemons.daemon_args("--optimizer-threads 16 --optimizer-nice 5", 14) == [
+        "--optimizer-nice", "5", "--optimizer-threads", "14"]
+    assert finetune_daemons.daemon_args("--optimizer-threads=16", 2) == ["--optimizer-threads", "2"]
+    assert finetune_daemons.daemon_args("--optimizer-threads=16", None) == ["--optimizer-threads=16"]
+
+
 def test_the_host_bound_is_the_trainer_before_wrap_plus_tsd_before_plus_what_check_memory_counted():
     run = benchlib.ChildRun()
     raw = {"step_s_median": 1.0, "host_pss_before_wrap_gib": 15.0, "check_memory_host_gib": 98.0}
