@@ -332,6 +332,7 @@ static void DescribeActivity(const v1::JobActivity& a, JobStatus& o) {
   t.client_d2h_bytes = a.client_d2h_bytes();
   t.speculated_commits = a.speculated_commits();
   t.redone_commits = a.redone_commits();
+  t.work_busy_s = a.work_busy_s();
 }
 
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {

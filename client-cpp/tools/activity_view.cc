@@ -87,7 +87,8 @@ nlohmann::json ActivityJson(const JobStatus& job) {
           {"h2d_bytes_per_step", reported_or_null(a.client_h2d_bytes)},
           {"d2h_bytes_per_step", reported_or_null(a.client_d2h_bytes)},
           {"speculated_commits", a.speculated_commits},
-          {"redone_commits", a.redone_commits}};
+          {"redone_commits", a.redone_commits},
+          {"work_busy_s", a.work_busy_s}};
 }
 
 }  // namespace tsd::tsctl

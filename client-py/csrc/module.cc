@@ -349,6 +349,7 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
     d["regions"] = j.regions;
     d["speculated_commits"] = j.activity.speculated_commits;
     d["redone_commits"] = j.activity.redone_commits;
+    d["work_busy_s"] = j.activity.work_busy_s;
     out.append(d);
   }
   return out;

@@ -49,6 +49,9 @@ class Job:
     # those of them it undid and redid (clipping bit, or the hyperparameters changed).
     speculated_commits: int = 0
     redone_commits: int = 0
+    # Seconds tsd's optimizer threads spent on the job's bucket work, all threads together (per
+    # step and thread: the time its updates take with every thread on them).
+    work_busy_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

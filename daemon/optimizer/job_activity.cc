@@ -35,6 +35,7 @@ void JobOptimizer::DescribeActivity(v1::JobActivity& out) const {
   out.set_moment_dtype(ToProto(plan_.moment_dtype));
   out.set_speculated_commits(speculated_commits_.load(std::memory_order_relaxed));
   out.set_redone_commits(redone_commits_.load(std::memory_order_relaxed));
+  out.set_work_busy_s(static_cast<double>(work_busy_ns_.load(std::memory_order_relaxed)) * 1e-9);
   // The client wrote these (it may write anything): they are copied as numbers, never used.
   const wire::ControlHeader& h = *page_.header;
   const uint64_t reports = h.client_reports.load(std::memory_order_acquire);

@@ -670,7 +670,7 @@ void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, siz
   BucketRun& run = *runs_[b];
   const int64_t n = run.plan.numel;
   if (n <= kInline) {
-    if (n > 0) fn(0, n, 0);
+    if (n > 0) TimeWork([&] { fn(0, n, 0); });
     done();
     return;
   }
@@ -682,8 +682,8 @@ void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, siz
   tasks.reserve(static_cast<size_t>(chunks));
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    tasks.push_back([run = &run, shared_fn, shared_done, begin, len, c] {
-      (*shared_fn)(begin, len, static_cast<size_t>(c));
+    tasks.push_back([this, run = &run, shared_fn, shared_done, begin, len, c] {
+      TimeWork([&] { (*shared_fn)(begin, len, static_cast<size_t>(c)); });
       if (run->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) (*shared_done)();
     });
   }

@@ -28,6 +28,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -231,6 +232,15 @@ class JobOptimizer final {
   // runs once after the last chunk.
   void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
                   std::function<void()> done);
+  // Runs `work` and adds its wall time to work_busy_ns_ (the job's bucket work, JobActivity).
+  template <typename F>
+  void TimeWork(F&& work) {
+    const auto start = std::chrono::steady_clock::now();
+    std::forward<F>(work)();
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - start);
+    work_busy_ns_.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
+  }
   void StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
                   std::function<void()> after);
   void CompleteDelivery(size_t b);
@@ -265,6 +275,9 @@ class JobOptimizer final {
   // Commits that had speculated updates, and those of them that redid any (JobActivity).
   std::atomic<uint64_t> speculated_commits_{0};
   std::atomic<uint64_t> redone_commits_{0};
+  // Nanoseconds the pool's threads (and the dispatcher, for small buckets) spent in this job's
+  // bucket work (JobActivity.work_busy_s).
+  std::atomic<uint64_t> work_busy_ns_{0};
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};

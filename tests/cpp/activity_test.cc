@@ -6,6 +6,7 @@
 
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -142,6 +143,10 @@ TEST(Activity, TsctlShowsIt) {
     EXPECT_EQ(a["d2h_bytes_per_step"], 0) << a;
     EXPECT_EQ(a["speculated_commits"], 0) << a;  // no clipping here (speculation_test.cc counts)
     EXPECT_EQ(a["redone_commits"], 0) << a;
+    // Five steps of two buckets were worked on (the small one on the dispatcher, the large one
+    // on the pool), and no longer than the test has run with every thread busy.
+    EXPECT_GT(a["work_busy_s"].get<double>(), 0) << a;
+    EXPECT_LT(a["work_busy_s"].get<double>(), 60.0 * std::thread::hardware_concurrency()) << a;
   }
 
   // top: the activity table, one row per job in the memory table's order.

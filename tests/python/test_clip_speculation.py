@@ -62,7 +62,7 @@ def run_tsd(tsd: Any, limit: float, speculate: Any, spikes: bool = False, **wrap
     finally:
         trainstream.unwrap(model)
     return dict(params=[p.detach().clone() for p in model.parameters()], norms=norms, losses=losses,
-                speculated=job.speculated_commits, redone=job.redone_commits)
+                speculated=job.speculated_commits, redone=job.redone_commits, busy=job.work_busy_s)
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -78,6 +78,7 @@ def test_speculation_that_never_bites_is_bit_identical_to_holding(tsd):
     assert all(torch.equal(x, y) for x, y in zip(fast["params"], held["params"]))
     assert (fast["speculated"], fast["redone"]) == (STEPS - 1, 0)
     assert (held["speculated"], held["redone"]) == (0, 0)
+    assert fast["busy"] > 0 and held["busy"] > 0  # the threads' time on the job's updates
     ref, _ = run_torch(1e3)
     assert max_diff(fast["params"], ref) <= 1e-6
 

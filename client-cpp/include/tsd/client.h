@@ -83,6 +83,8 @@ struct JobStatus {
     uint64_t client_h2d_bytes = 0, client_d2h_bytes = 0;
     // Clipping: commits applied before they were asked (speculated), and those redone.
     uint64_t speculated_commits = 0, redone_commits = 0;
+    // Seconds tsd's optimizer threads spent on the job's bucket work, all threads together.
+    double work_busy_s = 0;
   };
   bool has_optimizer = false;
   Activity activity;
