@@ -217,6 +217,7 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
 
 
 VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window",
+              "tsd_busy_s": "tsd_busy_s", "tsd_idle_s": "tsd_idle_s",
               "settled_after": "settled_after", "first_settled_step": "first_settled_step", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
@@ -426,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ratios = [f"step:{m}" for m in peers if m in a.modes_list]
     ratios += [f"vram:{m}" for m in ("stock", "lora_stock", "bnb_qlora", "lora_torch") if m in a.modes_list]
     block = report.Block("run", "modes", {"benchmark": ["finetune"], "run": [rec.run_id], "modes": [",".join(
-        a.modes_list)], "cols": ["step,vram,vram_device,host,host_bound,tsd,rss,fwd,bwd,wait"], "ratio": ratios}, 0)
+        a.modes_list)], "cols": ["step,vram,vram_device,host,host_bound,tsd,rss,fwd,bwd,wait,window,busy,idle"], "ratio": ratios}, 0)
     print(f"\n{a.arch}, batch {a.batch}x{a.seq}, clip {a.clip:g}, {a.steps} steps (median of the settled steps), "
           f"{first_round + a.repeats} round(s); run {rec.run_id}, recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))

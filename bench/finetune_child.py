@@ -117,11 +117,16 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     # forward; the last step's are owed at the end): its mean is a step's whole work.
     settled_after: Optional[int] = None  # steps run when every decision had been made
     starts: list[float] = []
+    # tsd's threads' seconds on this job's bucket work before each step (JobActivity.work_busy_s):
+    # over the window, per step and thread, the time the updates take with every thread on them.
+    busy = JobBusy(session, a.socket)
+    busy_at: list[Optional[float]] = []
     timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
         prof = start_profile(cuda) if step + 1 == a.profile_step else None
+        busy_at.append(busy.read())
         t = time.perf_counter()
         starts.append(t)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
@@ -179,6 +184,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     profiled_in_window = bool(a.profile_step) and a.profile_step > first
     step_s_window = ((time.perf_counter() - starts[first]) / window_steps
                      if window_steps and not profiled_in_window else None)
+    busy_end, busy_start = busy.read(), busy_at[first] if window_steps else None
+    threads = getattr(getattr(session, "handle", None), "threads", None)
+    tsd_busy_s = ((busy_end - busy_start) / window_steps / threads
+                  if busy_end is not None and busy_start is not None and threads and step_s_window else None)
+    busy.close()
     keep = [k for k, st in enumerate(timed) if st >= first] or list(range(len(timed)))
 
     def settled(xs: list[float]) -> Optional[float]:
@@ -234,6 +244,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     record = dict(
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
         clip=a.clip, speculated_commits=speculated, redone_commits=redone, step_s_median=settled(times), steps=times, step_s_window=step_s_window,
+        tsd_busy_s=tsd_busy_s, tsd_idle_s=(step_s_window - tsd_busy_s if tsd_busy_s is not None else None),
         settled_after=settled_after, first_settled_step=first + 1,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
@@ -299,6 +310,29 @@ def decisions_made(session: Any) -> bool:
     profiling = type(getattr(session, "act_pager", None)).__name__ == "ActivationProfiler"
     return (planner is None or bool(getattr(planner, "done", True))) and not profiling \
         and getattr(session, "auto_share", None) is None
+
+
+class JobBusy:
+    """Reads the seconds tsd's optimizer threads spent on this session's job (work_busy_s of
+    `Client.jobs()`) over a connection of its own; None without a session."""
+
+    def __init__(self, session: Any, socket: Optional[str]) -> None:
+        self.job = getattr(getattr(session, "client", None), "job", None)
+        self.client: Any = None
+        if session is not None and self.job is not None:
+            import trainstream
+
+            self.client = trainstream.connect(socket=socket)
+
+    def read(self) -> Optional[float]:
+        if self.client is None:
+            return None
+        return sum(j.work_busy_s for j in self.client.jobs() if j.name == self.job)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
 
 
 def start_profile(cuda: bool) -> Any:

@@ -66,7 +66,8 @@ ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device"
            "fwd": "gpu_forward_ms", "bwd": "gpu_backward_ms", "wait": "step_wait_ms", "paged": "paged_gib_per_step",
            "host_bound": "host_check_bound_gib", "host_ok": "host_within_check",
            "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share",
-           "window": "step_s_window", "window_of_bound": "window_over_bound"}
+           "window": "step_s_window", "window_of_bound": "window_over_bound", "busy": "tsd_busy_s",
+           "idle": "tsd_idle_s"}
 HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "window_over_bound": "window x the bound", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
@@ -83,7 +84,8 @@ HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "bound_s": "bound s", "host_s": "host s (bytes / STREAM)", "step_over_bound": "x the bound",
            "clip_bit_share": "share of steps clipping bit", "tokens_per_s": "tokens/s",
            "vram_device_steps_peak_gib": "peak VRAM GiB (device, steps)",
-           "host_pss_steps_peak_gib": "host PSS GiB (steps)"}
+           "host_pss_steps_peak_gib": "host PSS GiB (steps)",
+           "tsd_busy_s": "tsd threads busy s/step", "tsd_idle_s": "window less busy s/step"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -162,7 +164,7 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "window_over_bound": "{:.2f}", "step_s_window": "{:.3f}", "clip_bit_share": "{:.2f}",
+FORMATS = {"tsd_busy_s": "{:.3f}", "tsd_idle_s": "{:.3f}", "tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "window_over_bound": "{:.2f}", "step_s_window": "{:.3f}", "clip_bit_share": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))

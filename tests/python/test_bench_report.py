@@ -379,6 +379,9 @@ def test_a_threads_variant_runs_against_a_tsd_of_its_own(tmp_path):
     assert records["tsd"]["workload"]["tsd_threads"] == 3  # --daemon-args' count
     assert records["tsd:threads=1"]["workload"]["tsd_threads"] == 1  # its own tsd's, replacing that flag
     assert records["tsd"]["values"]["tsd_pss_peak_gib"] > 0 and records["tsd:threads=1"]["values"]["tsd_pss_peak_gib"] > 0
+    # The threads' time on the job's updates over the settled window, per step and thread, and the rest.
+    v = records["tsd:threads=1"]["values"]
+    assert 0 < v["tsd_busy_s"] < v["step_s_window"] and v["tsd_idle_s"] == pytest.approx(v["step_s_window"] - v["tsd_busy_s"])
 
 
 def test_threads_variant_settings_and_refusals():
