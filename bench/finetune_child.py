@@ -130,9 +130,10 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         t = time.perf_counter()
         starts.append(t)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        data_wait: Optional[float] = None
         if loader is not None:  # the next batch from the workers (the wait counts in the step)
             ids = next(loader).to(a.device, non_blocking=True)
-            data_ms.append((time.perf_counter() - t) * 1e3)
+            data_wait = (time.perf_counter() - t) * 1e3
         if cuda:
             ev[0].record()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -167,6 +168,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             continue
         times.append(time.perf_counter() - t)
         timed.append(step)
+        if data_wait is not None:  # like the step times, without the profiled step's
+            data_ms.append(data_wait)
         if cuda:
             fwd_ms.append(ev[0].elapsed_time(ev[1]))
             bwd_ms.append(ev[1].elapsed_time(ev[2]))
@@ -266,7 +269,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         offload_final=str(getattr(session, "offload", None)),
         gpu_forward_ms=settled(fwd_ms), gpu_backward_ms=settled(bwd_ms), step_call_ms=settled(step_ms),
         isa=getattr(handle, "isa", None), threads=getattr(handle, "threads", None), grad_ckpt=a.grad_ckpt,
-        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None, **host)
+        loader_workers=a.loader_workers, data_wait_ms=med(data_ms) if data_ms else None,
+        data_wait_ms_steps=data_ms or None, **host)
     if session is not None and a.save_restore:
         _PROGRESS["phase"] = "save and restore"
         try:  # a failure here is recorded beside the steps' figures, as unwrap()'s is
