@@ -63,7 +63,13 @@ Host side (bench/stream.py): tsd modes record the host memory bytes per trained 
 dtypes) and the paging traffic; on a GPU run with tsd modes (or with --stream on), bench/stream_bench
 (--stream-bin; beside the tsd binary or in build/bin) measures the host's STREAM bandwidth with
 non-temporal stores in the same run (recorded as mode "stream"), and the end prints each tsd mode's
-bound, max(GPU forward + backward, host bytes per step / STREAM). --loader-workers N feeds the random tokens
+bound, max(GPU forward + backward, host bytes per step / STREAM). On a GPU, bench/pcie_bench.py also
+measures the PCIe bandwidth (pinned copies each way and both at once; recorded as mode "pcie"), and
+each tsd mode records its PCIe bytes per step (gradients down, updated weights up, the activation
+and weight pages), so the bound gains a PCIe term (`bound_pcie_s`), the part a run under a tight
+budget is bound by. Each tsd mode also records how long tsd's threads worked on its updates per step
+(`tsd_busy_s`: JobActivity.work_busy_s over the drained window, per step and thread) and the window
+less that (`tsd_idle_s`). --loader-workers N feeds the random tokens
 through a torch DataLoader with N worker processes (the tsd modes' step then includes waiting for
 it, recorded as data_wait_ms), to measure a trainer whose loader workers share the CPUs with tsd.
 
@@ -127,6 +133,27 @@ def measure_stream(a: argparse.Namespace, rec: benchlib.Recorder) -> Optional[di
     return values
 
 
+def measure_pcie(rec: benchlib.Recorder) -> Optional[dict[str, Any]]:
+    """PCIe bandwidth in this run (bench/pcie_bench.py in a process of its own, so this one holds
+    no CUDA context): recorded as mode "pcie", returned for the bounds' PCIe term; None (recorded
+    as failed) when it fails."""
+    work = {"device": "pcie", "copies": "pinned host <-> device, each way and both at once"}
+    argv = [sys.executable, os.path.join(ROOT, "bench", "pcie_bench.py")]
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+        if run.returncode != 0 or not lines:
+            raise RuntimeError(f"exit status {run.returncode}: {(run.stderr or run.stdout).strip()[-500:]}")
+        got = json.loads(lines[-1])
+    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+        rec.record("pcie", work, {}, status="failed", reason=str(e)[-1500:])
+        return None
+    values = {k: v for k, v in got.items() if k.endswith("_gbs")}
+    rec.record("pcie", {**work, "mib": got.get("mib")}, values, extra={"raw": got})
+    print("@@" + json.dumps({"mode": "pcie", **values}), flush=True)
+    return values
+
+
 def few_settled(vals: list[dict[str, Any]]) -> str:
     """A warning for a mode whose figures rest on fewer than 3 settled steps (its "auto" decisions
     took most of the run): how many steps to pass instead."""
@@ -139,11 +166,13 @@ def few_settled(vals: list[dict[str, Any]]) -> str:
             f"pass --steps {first + 3} or more")
 
 
-def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list[str]:
+def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any],
+                pcie: Optional[dict[str, Any]] = None) -> list[str]:
     """Each tsd mode's bound in this run: max(the GPU's forward + backward, its host bytes per step
     / the STREAM bandwidth), beside its measured step (medians over the run's repeats). The GPU part
     is stock's forward + backward when its records carry them, else stock's whole step (peers.py
-    times only that), else the mode's own (CUDA events)."""
+    times only that), else the mode's own (CUDA events). With `pcie` (pcie_bench's figures), also
+    the step's PCIe copies at those bandwidths and the bound with that term."""
     def median(xs: list[float]) -> Optional[float]:
         return sorted(xs)[len(xs) // 2] if xs else None
 
@@ -165,10 +194,13 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any]) -> list
         bound = stream.bound_s(fb, host_bytes, bw)
         step = median([v["step_s_median"] for v in vals])
         window = median([v["step_s_window"] for v in vals if v.get("step_s_window") is not None])
+        link = median([stream.pcie_s(v["pcie_h2d_bytes_per_step"], v["pcie_d2h_bytes_per_step"], pcie)
+                       for v in vals if pcie and "pcie_h2d_bytes_per_step" in v])
         out.append(f"  {mode}: {vals[0]['host_bytes_per_param']} B/param, host {host_bytes / (bw * 1e9):.3f} s, "
                    f"GPU {fb:.3f} s, bound {bound:.3f} s"
                    + (f", step {step:.3f} s ({step / bound:.2f}x the bound)" if step and bound else "")
                    + (f", window {window:.3f} s/step drained ({window / bound:.2f}x)" if window and bound else "")
+                   + (f"; PCIe {link:.3f} s, with it the bound is {max(bound, link):.3f} s" if link is not None else "")
                    + few_settled(vals))
     return out
 
@@ -218,6 +250,7 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
 
 VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window",
               "tsd_busy_s": "tsd_busy_s", "tsd_idle_s": "tsd_idle_s",
+              "pcie_h2d_bytes_per_step": "pcie_h2d_bytes_per_step", "pcie_d2h_bytes_per_step": "pcie_d2h_bytes_per_step",
               "settled_after": "settled_after", "first_settled_step": "first_settled_step", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",
               "gpu_backward_ms": "gpu_backward_ms", "step_call_ms": "step_wait_ms",
@@ -391,8 +424,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         want_stream = a.stream == "on" or (a.stream == "auto" and a.device == "cuda")
         if prior:  # the run's own STREAM, measured by the command that began it
             measured_stream = next((r["values"] for r in prior if r["mode"] == "stream" and r["status"] == "ok"), None)
+            measured_pcie = next((r["values"] for r in prior if r["mode"] == "pcie" and r["status"] == "ok"), None)
         else:
             measured_stream = measure_stream(a, rec) if default is not None and want_stream else None
+            measured_pcie = measure_pcie(rec) if default is not None and want_stream and a.device == "cuda" else None
         for repeat, mode in schedule(a.modes_list, a.repeats, a.once_set, first_round):
             if skips[mode] is not None:
                 if repeat == 0:
@@ -432,7 +467,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{first_round + a.repeats} round(s); run {rec.run_id}, recorded in {os.path.relpath(rec.path)}\n")
     print(report.render_modes(block, records))
     if measured_stream:
-        for line in bound_lines(records, measured_stream):
+        for line in bound_lines(records, measured_stream, measured_pcie):
             print(line)
     return 0
 

@@ -222,21 +222,27 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         # Clipping reads each gradient a second time for the norm, unless every step after the
         # first speculated (the squares are summed in the update's pass, from cache) and none redid.
         fused = bool(a.clip) and speculated >= a.steps - 1 and redone == 0
-        per = stream.host_bytes_per_param(trained[0].element_size() if trained else 4,
-                                          trained[0].element_size() if trained else 4,
-                                          2 if moments == "bfloat16" else 4, bool(a.clip) and not fused)
+        grad_bytes = param_bytes = trained[0].element_size() if trained else 4
+        per = stream.host_bytes_per_param(grad_bytes, param_bytes, 2 if moments == "bfloat16" else 4,
+                                          bool(a.clip) and not fused)
         n_trained = sum(p.numel() for p in trained)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
-        paging = 2 * med([float(x) for x in act_steps]) if act_steps else 0.0  # out and back
-        paging += pager.moved_bytes / a.steps if pager is not None else 0.0
+        act_out = med([float(x) for x in act_steps]) if act_steps else 0.0  # activation pages out a step
+        weights_in = pager.moved_bytes / a.steps if pager is not None else 0.0  # paged weights in a step
+        paging = 2 * act_out + weights_in  # the activations out and back, the weights in
         # The GPU share's parameters (optimizer_gpu_fraction; everything after offload="auto"'s switch)
         # move no optimizer bytes through host memory.
         share = getattr(session, "share", None)
         on_device = n_trained if not getattr(session, "offloading", True) else (share.numel if share is not None else 0)
+        in_tsd = max(0, n_trained - on_device)
         host = dict(host_bytes_per_param=per["total"], host_bytes_breakdown=per, trained_params=n_trained,
                     gpu_share_params=on_device, paging_host_bytes_per_step=paging,
-                    host_bytes_per_step=max(0, n_trained - on_device) * per["total"] + paging)
+                    host_bytes_per_step=in_tsd * per["total"] + paging,
+                    # Over PCIe: the gradients down and the updated weights up; the activation pages
+                    # down and back; the paged weights up.
+                    pcie_d2h_bytes_per_step=in_tsd * grad_bytes + act_out,
+                    pcie_h2d_bytes_per_step=in_tsd * param_bytes + act_out + weights_in)
     events = list(getattr(session, "events", []) or [])
     mplan = getattr(session, "memory_plan", None)
     if mplan is not None and host_before_wrap is not None:

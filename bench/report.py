@@ -67,7 +67,8 @@ ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device"
            "host_bound": "host_check_bound_gib", "host_ok": "host_within_check",
            "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share",
            "window": "step_s_window", "window_of_bound": "window_over_bound", "busy": "tsd_busy_s",
-           "idle": "tsd_idle_s"}
+           "idle": "tsd_idle_s", "pcie": "pcie_s", "bound_pcie": "bound_pcie_s", "of_bound_pcie": "step_over_bound_pcie",
+           "window_of_bound_pcie": "window_over_bound_pcie"}
 HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "window_over_bound": "window x the bound", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
@@ -85,7 +86,9 @@ HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "clip_bit_share": "share of steps clipping bit", "tokens_per_s": "tokens/s",
            "vram_device_steps_peak_gib": "peak VRAM GiB (device, steps)",
            "host_pss_steps_peak_gib": "host PSS GiB (steps)",
-           "tsd_busy_s": "tsd threads busy s/step", "tsd_idle_s": "window less busy s/step"}
+           "tsd_busy_s": "tsd threads busy s/step", "tsd_idle_s": "window less busy s/step",
+           "pcie_s": "PCIe s (bytes / measured)", "bound_pcie_s": "bound with PCIe s",
+           "step_over_bound_pcie": "x the bound with PCIe", "window_over_bound_pcie": "window x the bound with PCIe"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",
@@ -164,7 +167,8 @@ def col_key(c: str) -> str:
     return ALIASES.get(c, c)
 
 
-FORMATS = {"tsd_busy_s": "{:.3f}", "tsd_idle_s": "{:.3f}", "tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "window_over_bound": "{:.2f}", "step_s_window": "{:.3f}", "clip_bit_share": "{:.2f}",
+FORMATS = {"tsd_busy_s": "{:.3f}", "tsd_idle_s": "{:.3f}", "pcie_s": "{:.3f}", "bound_pcie_s": "{:.3f}",
+           "step_over_bound_pcie": "{:.2f}", "window_over_bound_pcie": "{:.2f}", "tokens_per_s": "{:.0f}", "gparam_per_s": "{:.2f}", "bound_gparam_per_s": "{:.2f}", "share_of_bound": "{:.2f}", "step_over_bound": "{:.2f}", "window_over_bound": "{:.2f}", "step_s_window": "{:.3f}", "clip_bit_share": "{:.2f}",
            "paged_gib_per_step": "{:.2f}"}
 SUFFIX_FORMATS = (("_gib", "{:.1f}"), ("_mib", "{:.1f}"), ("gb_per_s", "{:.1f}"), ("_ms", "{:.0f}"), ("_s_median", "{:.3f}"),
                   ("_s", "{:.3f}"), ("_us", "{:.3g}"))
@@ -562,15 +566,22 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     prints it: `host_s` (host bytes per step / STREAM), `bound_s` (the longer of that and the GPU's
     forward + backward: the median of stock's in the same run where it ran (its whole step where
     only that was timed), else the record's own)
-    and `step_over_bound` (its step / the bound; `window_over_bound` for the drained window)."""
+    and `step_over_bound` (its step / the bound; `window_over_bound` for the drained window). Where
+    the run also measured PCIe (its `pcie` record) and the record carries its PCIe bytes, it carries
+    `pcie_s` (those copies at the measured bandwidths), `bound_pcie_s` (the bound with that term)
+    and `step_over_bound_pcie` / `window_over_bound_pcie`."""
     by_run: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_run.setdefault(r["run_id"], []).append(r)
     per_run: dict[str, tuple[Optional[float], Optional[float]]] = {}  # run -> (STREAM GB/s, stock's GPU part)
+    links: dict[str, dict[str, Any]] = {}  # run -> its PCIe figures
     for run_id, run in by_run.items():
         ok = [x for x in run if x["status"] == "ok"]
         bw = next((x["values"].get("bandwidth_gbs") for x in ok if x["mode"] == "stream"), None)
         per_run[run_id] = (bw, stream.stock_gpu_s([x["values"] for x in ok if x["mode"] == "stock"]))
+        link = next((x["values"] for x in ok if x["mode"] == "pcie"), None)
+        if link:
+            links[run_id] = link
     out = []
     for r in records:
         bw, stock_s = per_run[r["run_id"]]
@@ -586,6 +597,13 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             extra["step_over_bound"] = v["step_s_median"] / bound
         if bound > 0 and isinstance(v.get("step_s_window"), (int, float)):
             extra["window_over_bound"] = v["step_s_window"] / bound
+        link = links.get(r["run_id"])
+        if link and isinstance(v.get("pcie_h2d_bytes_per_step"), (int, float)):
+            pcie = stream.pcie_s(v["pcie_h2d_bytes_per_step"], v.get("pcie_d2h_bytes_per_step", 0.0), link)
+            extra.update(pcie_s=pcie, bound_pcie_s=max(bound, pcie))
+            for key, over in (("step_s_median", "step_over_bound_pcie"), ("step_s_window", "window_over_bound_pcie")):
+                if isinstance(v.get(key), (int, float)) and extra["bound_pcie_s"] > 0:
+                    extra[over] = v[key] / extra["bound_pcie_s"]
         out.append({**r, "values": {**v, **extra}})
     return out
 

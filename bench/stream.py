@@ -58,6 +58,17 @@ def bound_s(forward_backward_s: float, host_bytes_per_step: float, stream_gbs: f
     return max(forward_backward_s, host_s(host_bytes_per_step, stream_gbs))
 
 
+def pcie_s(h2d_bytes_per_step: float, d2h_bytes_per_step: float, pcie: dict[str, Any]) -> float:
+    """The PCIe part of a step: its copies host to device and device to host at the bandwidths
+    bench/pcie_bench.py measured (`h2d_gbs`, `d2h_gbs`), or both ways at once (`both_gbs`, the
+    bytes of both directions over the time of the pair), whichever takes longest."""
+    for k in ("h2d_gbs", "d2h_gbs", "both_gbs"):
+        if not float(pcie.get(k) or 0) > 0:
+            raise ValueError(f"PCIe bandwidth {k} must be > 0 GB/s, not {pcie.get(k)!r}")
+    return max(h2d_bytes_per_step / (pcie["h2d_gbs"] * 1e9), d2h_bytes_per_step / (pcie["d2h_gbs"] * 1e9),
+               (h2d_bytes_per_step + d2h_bytes_per_step) / (pcie["both_gbs"] * 1e9))
+
+
 def stock_gpu_s(stock_values: list[dict[str, Any]]) -> Optional[float]:
     """The GPU part of a run's bounds from its stock records' values: the median (the upper middle
     for an even count) of stock's forward + backward where they carry them, else of its whole step

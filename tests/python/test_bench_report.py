@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import benchlib  # noqa: E402
 import finetune_bench  # noqa: E402
 import report  # noqa: E402
+import stream  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
@@ -440,6 +441,34 @@ def test_a_tsd_modes_bound_is_its_host_bytes_at_stream_speed_or_stocks_forward_a
     assert report.add_bounds([stream, tsd, slow])[1]["values"]["bound_s"] == pytest.approx(0.8)
     # A run without STREAM claims no bound.
     assert "bound_s" not in report.add_bounds([tsd])[0]["values"]
+
+
+def test_the_pcie_term_is_the_steps_copies_at_the_measured_bandwidths():
+    """With the run's PCIe figures (pcie_bench), a record's copies each way, or both at once, give
+    its PCIe time; the bound with that term is the longer of it and the bound without."""
+    import finetune_bench as fb
+
+    stream_rec = rec("r", 0, "stream", None)
+    stream_rec["values"] = {"bandwidth_gbs": 100.0}
+    link = rec("r", 1, "pcie", None)
+    link["values"] = {"h2d_gbs": 50.0, "d2h_gbs": 50.0, "both_gbs": 80.0}
+    tsd = rec("r", 2, "a", 0.9)
+    tsd["values"].update(host_bytes_per_step=50e9, gpu_forward_ms=300.0, gpu_backward_ms=150.0,
+                         pcie_h2d_bytes_per_step=40e9, pcie_d2h_bytes_per_step=24e9)
+    v = report.add_bounds([stream_rec, link, tsd])[2]["values"]
+    # 40 GB up at 50 GB/s: 0.8 s; 24 down: 0.48 s; 64 both ways at 80: 0.8 s.
+    assert v["pcie_s"] == pytest.approx(0.8) and v["bound_s"] == pytest.approx(0.5)
+    assert v["bound_pcie_s"] == pytest.approx(0.8) and v["step_over_bound_pcie"] == pytest.approx(0.9 / 0.8)
+    link["values"]["both_gbs"] = 40.0  # the pair shares the link: 64 GB at 40 GB/s
+    assert report.add_bounds([stream_rec, link, tsd])[2]["values"]["pcie_s"] == pytest.approx(1.6)
+    assert "pcie_s" not in report.add_bounds([stream_rec, tsd])[1]["values"]  # no PCIe measured: no term
+    printed = copy.deepcopy(tsd)
+    printed["mode"] = "tsd_bf16_act"
+    printed["values"]["host_bytes_per_param"] = 32
+    line = fb.bound_lines([stream_rec, link, printed], stream_rec["values"], link["values"])[1]
+    assert "PCIe 1.600 s, with it the bound is 1.600 s" in line, line
+    with pytest.raises(ValueError, match="h2d_gbs must be > 0"):
+        stream.pcie_s(1.0, 1.0, {"h2d_gbs": 0, "d2h_gbs": 1, "both_gbs": 1})
 
 
 def test_how_often_clipping_bit_comes_from_the_norms_and_the_limit():

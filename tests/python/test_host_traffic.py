@@ -1,6 +1,7 @@
 """The host side of a step (issue 14): the host memory bytes a tsd step moves per parameter, the
 STREAM measurement they are divided by, the bound finetune_bench prints, its --loader-workers
 DataLoader, and the GPU's PCI address wrap() sends tsd for NUMA placement."""
+import json
 import os
 import re
 import subprocess
@@ -97,3 +98,17 @@ def test_the_gpus_pci_address_is_sysfs_own():
     bus_id = gpu_pci_bus_id(torch.device("cuda", 0))
     assert re.fullmatch(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.0", bus_id), bus_id
     assert os.path.isdir(f"/sys/bus/pci/devices/{bus_id}"), bus_id
+
+
+def test_pcie_bench_says_it_needs_a_gpu_or_measures_all_three_ways():
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pcie_bench.py"), "--mib", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--mib and --reps take integers from 1" in bad.stderr
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pcie_bench.py"), "--mib", "64", "--reps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    if not torch.cuda.is_available():
+        assert out.returncode == 1 and "no CUDA device" in out.stderr and "GPU machine" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["h2d_gbs"] > 0 and got["d2h_gbs"] > 0 and got["both_gbs"] > 0 and got["mib"] == 64
