@@ -333,6 +333,7 @@ static void DescribeActivity(const v1::JobActivity& a, JobStatus& o) {
   t.speculated_commits = a.speculated_commits();
   t.redone_commits = a.redone_commits();
   t.work_busy_s = a.work_busy_s();
+  t.work_busy_share = a.work_busy_share();
 }
 
 absl::StatusOr<std::vector<JobStatus>> Client::Jobs() {

@@ -37,22 +37,23 @@ std::string FormatCount(double n) {
 std::vector<std::string> ActivityTable(const std::vector<JobStatus>& jobs) {
   std::vector<std::string> out;
   char line[512];
-  const char* fmt = "%-32s %9s %8s %9s %8s %8s %8s %10s %10s %7s";
+  const char* fmt = "%-32s %9s %8s %9s %8s %8s %8s %10s %10s %7s %5s";
   std::snprintf(line, sizeof(line), fmt, "JOB", "STEPS", "STEP/S", "PARAM/S", "UPD P50", "UPD P99",
-                "WAIT", "H2D/STEP", "D2H/STEP", "MOMENTS");
+                "WAIT", "H2D/STEP", "D2H/STEP", "MOMENTS", "BUSY");
   out.push_back(line);
   for (const JobStatus& j : jobs) {
     if (!j.has_optimizer) {
       std::snprintf(line, sizeof(line), fmt, j.name.c_str(), "-", "-", "-", "-", "-", "-", "-", "-",
-                    "-");
+                    "-", "-");
       out.push_back(line);
       continue;
     }
     const JobStatus::Activity& a = j.activity;
     const bool reported = a.client_reports > 0;
     const bool timed = a.bucket_update_p50_s > 0;
-    char rate[32];
+    char rate[32], busy[32];
     std::snprintf(rate, sizeof(rate), "%.1f", a.steps_per_s);
+    std::snprintf(busy, sizeof(busy), "%.0f%%", 100 * a.work_busy_share);
     std::snprintf(line, sizeof(line), fmt, j.name.c_str(), std::to_string(a.steps).c_str(), rate,
                   FormatCount(a.params_per_s).c_str(),
                   timed ? FormatSeconds(a.bucket_update_p50_s).c_str() : "-",
@@ -60,7 +61,7 @@ std::vector<std::string> ActivityTable(const std::vector<JobStatus>& jobs) {
                   reported ? FormatSeconds(a.client_step_wait_s).c_str() : "-",
                   reported ? wire::FormatBytes(a.client_h2d_bytes).c_str() : "-",
                   reported ? wire::FormatBytes(a.client_d2h_bytes).c_str() : "-",
-                  a.moment_dtype.c_str());
+                  a.moment_dtype.c_str(), busy);
     out.push_back(line);
   }
   return out;
@@ -88,7 +89,8 @@ nlohmann::json ActivityJson(const JobStatus& job) {
           {"d2h_bytes_per_step", reported_or_null(a.client_d2h_bytes)},
           {"speculated_commits", a.speculated_commits},
           {"redone_commits", a.redone_commits},
-          {"work_busy_s", a.work_busy_s}};
+          {"work_busy_s", a.work_busy_s},
+          {"work_busy_share", a.work_busy_share}};
 }
 
 }  // namespace tsd::tsctl

@@ -350,6 +350,7 @@ py::list JobsList(const std::vector<tsd::JobStatus>& jobs) {
     d["speculated_commits"] = j.activity.speculated_commits;
     d["redone_commits"] = j.activity.redone_commits;
     d["work_busy_s"] = j.activity.work_busy_s;
+    d["work_busy_share"] = j.activity.work_busy_share;
     out.append(d);
   }
   return out;

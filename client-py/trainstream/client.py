@@ -52,6 +52,8 @@ class Job:
     # Seconds tsd's optimizer threads spent on the job's bucket work, all threads together (per
     # step and thread: the time its updates take with every thread on them).
     work_busy_s: float = 0.0
+    # Its share of those threads' time over its last steps (0 to 1; 0 once it stops stepping).
+    work_busy_share: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,8 @@ v1::DType ToProto(kernels::DType d) {
 }  // namespace
 
 void JobOptimizer::DescribeActivity(v1::JobActivity& out) const {
-  const StepStats::Snapshot s = stats_.Read();
+  const StepStats::Snapshot s =
+      stats_.Read(StepStats::Clock::now(), work_busy_ns_.load(std::memory_order_relaxed));
   out.set_steps(s.steps);
   uint64_t params = 0;
   for (const BucketPlan& b : plan_.buckets) params += static_cast<uint64_t>(b.numel);
@@ -36,6 +37,7 @@ void JobOptimizer::DescribeActivity(v1::JobActivity& out) const {
   out.set_speculated_commits(speculated_commits_.load(std::memory_order_relaxed));
   out.set_redone_commits(redone_commits_.load(std::memory_order_relaxed));
   out.set_work_busy_s(static_cast<double>(work_busy_ns_.load(std::memory_order_relaxed)) * 1e-9);
+  if (pool_.threads() > 0) out.set_work_busy_share(s.busy_s_per_s / pool_.threads());
   // The client wrote these (it may write anything): they are copied as numbers, never used.
   const wire::ControlHeader& h = *page_.header;
   const uint64_t reports = h.client_reports.load(std::memory_order_acquire);

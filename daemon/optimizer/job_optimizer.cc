@@ -660,7 +660,8 @@ void JobOptimizer::PublishStep(size_t b) {
   while (r.steps > seen && !max_step_.compare_exchange_weak(seen, r.steps)) {
   }
   if (r.steps > seen) {
-    stats_.RecordStep(r.steps);
+    stats_.RecordStep(r.steps, StepStats::Clock::now(),
+                      work_busy_ns_.load(std::memory_order_relaxed));
     if (observer_ != nullptr) observer_->OnStep(r.steps);
   }
 }

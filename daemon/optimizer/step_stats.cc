@@ -28,16 +28,16 @@ void StepStats::RecordBucket(double seconds, uint64_t params, Clock::time_point 
   g.counts[static_cast<size_t>(Bin(seconds))].fetch_add(1, std::memory_order_relaxed);
 }
 
-void StepStats::RecordStep(int64_t step, Clock::time_point now) {
+void StepStats::RecordStep(int64_t step, Clock::time_point now, uint64_t busy_ns) {
   MutexLock lock(mu_);
   if (step > 0 && static_cast<uint64_t>(step) > steps_.load(std::memory_order_relaxed)) {
     steps_.store(static_cast<uint64_t>(step), std::memory_order_relaxed);
   }
-  ring_[marks_ % kRing] = {now, params_.load(std::memory_order_relaxed)};
+  ring_[marks_ % kRing] = {now, params_.load(std::memory_order_relaxed), busy_ns};
   ++marks_;
 }
 
-StepStats::Snapshot StepStats::Read(Clock::time_point now) const {
+StepStats::Snapshot StepStats::Read(Clock::time_point now, uint64_t busy_ns) const {
   Snapshot s;
   s.params_updated = params_.load(std::memory_order_relaxed);
   s.bucket_updates = updates_.load(std::memory_order_relaxed);
@@ -51,6 +51,9 @@ StepStats::Snapshot StepStats::Read(Clock::time_point now) const {
       if (span > 0) {
         s.steps_per_s = static_cast<double>(kept - 1) / span;
         s.params_per_s = static_cast<double>(s.params_updated - oldest.params) / span;
+        if (busy_ns > oldest.busy_ns) {
+          s.busy_s_per_s = static_cast<double>(busy_ns - oldest.busy_ns) * 1e-9 / span;
+        }
       }
     }
   }

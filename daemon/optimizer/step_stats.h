@@ -12,7 +12,9 @@
 //
 // Steps come once per step (not per bucket), so the rate keeps a small ring of the last steps'
 // times under a mutex: steps per second is the steps of the ring over the time from its oldest
-// to now, which follows a job's pace within a few steps and decays to 0 once it stops.
+// to now, which follows a job's pace within a few steps and decays to 0 once it stops. The ring
+// also keeps the engine's busy time at each step (the seconds its threads spent on the job), so
+// the busy time per second over the same span says how much of the threads the job takes now.
 #pragma once
 
 #include <array>
@@ -41,6 +43,8 @@ class StepStats final {
     uint64_t bucket_updates = 0;
     double steps_per_s = 0;
     double params_per_s = 0;
+    double busy_s_per_s =
+        0;  // the threads' seconds on the job per second (over their count: a share)
     // Over the bucket updates of the last 10-20 s that had any; 0 when there were none.
     uint64_t latency_samples = 0;
     double bucket_update_p50_s = 0;
@@ -53,9 +57,12 @@ class StepStats final {
 
   // One bucket update of `params` parameters took `seconds`. Lock-free.
   void RecordBucket(double seconds, uint64_t params, Clock::time_point now = Clock::now());
-  // The job completed optimizer step `step`.
-  void RecordStep(int64_t step, Clock::time_point now = Clock::now()) ABSL_LOCKS_EXCLUDED(mu_);
-  Snapshot Read(Clock::time_point now = Clock::now()) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The job completed optimizer step `step`; its threads had then spent `busy_ns` on it in all.
+  void RecordStep(int64_t step, Clock::time_point now = Clock::now(), uint64_t busy_ns = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // `busy_ns`: the threads' time on the job in all, now (the same count RecordStep was given).
+  Snapshot Read(Clock::time_point now = Clock::now(), uint64_t busy_ns = 0) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // The bin of a latency, and the latency a bin stands for (its geometric middle).
   static int Bin(double seconds);
@@ -68,7 +75,8 @@ class StepStats final {
   };
   struct Mark {
     Clock::time_point at;
-    uint64_t params = 0;  // params_updated when the step completed
+    uint64_t params = 0;   // params_updated when the step completed
+    uint64_t busy_ns = 0;  // the threads' time on the job by then
   };
 
   std::atomic<uint64_t> steps_{0};

@@ -147,6 +147,8 @@ TEST(Activity, TsctlShowsIt) {
     // on the pool), and no longer than the test has run with every thread busy.
     EXPECT_GT(a["work_busy_s"].get<double>(), 0) << a;
     EXPECT_LT(a["work_busy_s"].get<double>(), 60.0 * std::thread::hardware_concurrency()) << a;
+    EXPECT_GE(a["work_busy_share"].get<double>(), 0) << a;
+    EXPECT_LE(a["work_busy_share"].get<double>(), 1.0) << a;
   }
 
   // top: the activity table, one row per job in the memory table's order.
@@ -156,11 +158,12 @@ TEST(Activity, TsctlShowsIt) {
   ASSERT_NE(table, std::string::npos) << top;
   EXPECT_THAT(top, HasSubstr("PARAM/S"));
   EXPECT_THAT(top, HasSubstr("UPD P99"));
-  // JOB STEPS STEP/S PARAM/S P50 P99 WAIT H2D/STEP(2 words) D2H/STEP(2 words) MOMENTS
+  // JOB STEPS STEP/S PARAM/S P50 P99 WAIT H2D/STEP(2 words) D2H/STEP(2 words) MOMENTS BUSY
   std::istringstream row(top.substr(top.find("act-tsctl ", table)));
-  std::string job, steps, rate, params, p50, p99, wait, h2d, h2d_unit, d2h, d2h_unit, moments;
+  std::string job, steps, rate, params, p50, p99, wait, h2d, h2d_unit, d2h, d2h_unit, moments, busy;
   row >> job >> steps >> rate >> params >> p50 >> p99 >> wait >> h2d >> h2d_unit >> d2h >>
-      d2h_unit >> moments;
+      d2h_unit >> moments >> busy;
+  EXPECT_THAT(busy, ::testing::MatchesRegex("[0-9]+%")) << top;
   EXPECT_EQ(job + " " + steps, "act-tsctl 5") << top;
   EXPECT_EQ(wait, "3.0ms") << top;
   EXPECT_EQ(h2d + h2d_unit, "2MiB") << top;

@@ -61,20 +61,26 @@ TEST(StepStats, RateFollowsThePaceAndDecaysWhenStopped) {
   const auto t0 = StepStats::Clock::now();
   EXPECT_EQ(stats.Read(t0).steps_per_s, 0);
   // 100 steps, 25 ms apart (40 steps/s), each updating 1000 parameters.
+  // The threads spend 10 ms of each 25 ms step on the job: 0.4 s of their time per second.
+  const uint64_t busy_per_step = 10'000'000;
   for (int step = 1; step <= 100; ++step) {
     const auto at = t0 + milliseconds(25 * step);
     stats.RecordBucket(1e-4, 1000, at);
-    stats.RecordStep(step, at);
+    stats.RecordStep(step, at, busy_per_step * static_cast<uint64_t>(step));
   }
   const auto end = t0 + milliseconds(2500);
-  StepStats::Snapshot s = stats.Read(end);
+  StepStats::Snapshot s = stats.Read(end, busy_per_step * 100);
   EXPECT_EQ(s.steps, 100u);
   EXPECT_NEAR(s.steps_per_s, 40, 0.5);
   EXPECT_NEAR(s.params_per_s, 40000, 500);
-  // Ten seconds after the last step the rate has fallen well below the pace.
-  s = stats.Read(end + seconds(10));
+  EXPECT_NEAR(s.busy_s_per_s, 0.4, 0.01);
+  // Ten seconds after the last step the rates have fallen well below the pace.
+  s = stats.Read(end + seconds(10), busy_per_step * 100);
   EXPECT_LT(s.steps_per_s, 6);
   EXPECT_GT(s.steps_per_s, 0);
+  EXPECT_LT(s.busy_s_per_s, 0.06);
+  // Busy time that went backwards (a count the engine never gives) reads as none, not as a wrap.
+  EXPECT_EQ(stats.Read(end, 0).busy_s_per_s, 0);
 }
 
 TEST(StepStats, ConcurrentRecordingLosesNoCount) {

@@ -62,7 +62,8 @@ def run_tsd(tsd: Any, limit: float, speculate: Any, spikes: bool = False, **wrap
     finally:
         trainstream.unwrap(model)
     return dict(params=[p.detach().clone() for p in model.parameters()], norms=norms, losses=losses,
-                speculated=job.speculated_commits, redone=job.redone_commits, busy=job.work_busy_s)
+                speculated=job.speculated_commits, redone=job.redone_commits, busy=job.work_busy_s,
+                share=job.work_busy_share)
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -79,6 +80,7 @@ def test_speculation_that_never_bites_is_bit_identical_to_holding(tsd):
     assert (fast["speculated"], fast["redone"]) == (STEPS - 1, 0)
     assert (held["speculated"], held["redone"]) == (0, 0)
     assert fast["busy"] > 0 and held["busy"] > 0  # the threads' time on the job's updates
+    assert 0 < fast["share"] <= 1 and 0 < held["share"] <= 1  # and their share of it, lately
     ref, _ = run_torch(1e3)
     assert max_diff(fast["params"], ref) <= 1e-6
 

@@ -85,6 +85,8 @@ struct JobStatus {
     uint64_t speculated_commits = 0, redone_commits = 0;
     // Seconds tsd's optimizer threads spent on the job's bucket work, all threads together.
     double work_busy_s = 0;
+    // Its share of those threads' time lately (over the span of steps_per_s; 0 to 1).
+    double work_busy_share = 0;
   };
   bool has_optimizer = false;
   Activity activity;
