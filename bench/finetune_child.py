@@ -119,14 +119,14 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     starts: list[float] = []
     # tsd's threads' seconds on this job's bucket work before each step (JobActivity.work_busy_s):
     # over the window, per step and thread, the time the updates take with every thread on them.
-    busy = JobBusy(session, a.socket)
+    tsd_job = TsdJob(session, a.socket)
     busy_at: list[Optional[float]] = []
     timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
         prof = start_profile(cuda) if step + 1 == a.profile_step else None
-        busy_at.append(busy.read())
+        busy_at.append(tsd_job.busy())
         t = time.perf_counter()
         starts.append(t)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
@@ -187,11 +187,18 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     profiled_in_window = bool(a.profile_step) and a.profile_step > first
     step_s_window = ((time.perf_counter() - starts[first]) / window_steps
                      if window_steps and not profiled_in_window else None)
-    busy_end, busy_start = busy.read(), busy_at[first] if window_steps else None
+    # The job as tsd reports it once its steps are done: the threads' busy time, the bytes it holds,
+    # its speculated and redone commits.
+    mine = tsd_job.jobs()
+    busy_end = sum(j.work_busy_s for j in mine) if mine else None
+    busy_start = busy_at[first] if window_steps else None
     threads = getattr(getattr(session, "handle", None), "threads", None)
     tsd_busy_s = ((busy_end - busy_start) / window_steps / threads
                   if busy_end is not None and busy_start is not None and threads and step_s_window else None)
-    busy.close()
+    tsd_job.close()
+    held = sum(j.used_bytes for j in mine)
+    speculated = sum(j.speculated_commits for j in mine)
+    redone = sum(j.redone_commits for j in mine)
     keep = [k for k, st in enumerate(timed) if st >= first] or list(range(len(timed)))
 
     def settled(xs: list[float]) -> Optional[float]:
@@ -203,16 +210,6 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
 
     med = benchlib.settled_median
 
-    held = speculated = redone = 0
-    if session is not None:
-        import trainstream
-
-        with trainstream.connect(socket=a.socket) as c:
-            job = getattr(getattr(session, "client", None), "job", None)
-            mine = [j for j in c.jobs() if job is None or j.name == job]
-            held = sum(j.used_bytes for j in mine)
-            speculated = sum(j.speculated_commits for j in mine)
-            redone = sum(j.redone_commits for j in mine)
     pager = getattr(session, "pager", None)
     handle = getattr(session, "handle", None)
     host: dict[str, Any] = {}
@@ -322,22 +319,28 @@ def decisions_made(session: Any) -> bool:
         and getattr(session, "auto_share", None) is None
 
 
-class JobBusy:
-    """Reads the seconds tsd's optimizer threads spent on this session's job (work_busy_s of
-    `Client.jobs()`) over a connection of its own; None without a session."""
+class TsdJob:
+    """This session's job as tsd reports it (`Client.jobs()`), over a connection of its own: the
+    seconds its optimizer threads spent on the job before each step, and the job's figures at the
+    end. Without a session there is no connection and no job."""
 
     def __init__(self, session: Any, socket: Optional[str]) -> None:
         self.job = getattr(getattr(session, "client", None), "job", None)
         self.client: Any = None
-        if session is not None and self.job is not None:
+        if session is not None:
             import trainstream
 
             self.client = trainstream.connect(socket=socket)
 
-    def read(self) -> Optional[float]:
+    def jobs(self) -> list[Any]:
+        """The session's job (every job, where the session names none); [] without a session."""
         if self.client is None:
-            return None
-        return sum(j.work_busy_s for j in self.client.jobs() if j.name == self.job)
+            return []
+        return [j for j in self.client.jobs() if self.job is None or j.name == self.job]
+
+    def busy(self) -> Optional[float]:
+        """The threads' seconds on the job so far (JobActivity.work_busy_s); None without a session."""
+        return sum(j.work_busy_s for j in self.jobs()) if self.client is not None else None
 
     def close(self) -> None:
         if self.client is not None:
