@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/optimizer/chunks.h"
 #include "proto/futex.h"
 #include "proto/status_macros.h"
 #include "proto/wire.h"
@@ -18,16 +19,8 @@ namespace {
 constexpr size_t kMaxGroups = 1024;
 constexpr size_t kMaxBuckets = 65536;
 constexpr uint32_t kMaxWorld = 4096;     // data-parallel ranks sharing one optimizer
-constexpr int64_t kChunk = 1 << 18;      // elements per pool task
-constexpr int64_t kInline = 1 << 15;     // buckets this small run on the dispatcher
 constexpr int64_t kSpinNs = 30000;       // the dispatcher spins this long before sleeping
 constexpr int64_t kSleepNs = 100000000;  // and sleeps at most this long (to notice Stop)
-// Clipping speculates while the last step's norm is under this fraction of max_grad_norm: a norm
-// that grows by more than 1.25x in one step makes it redo (it costs one more pass over the bucket).
-constexpr double kSpeculateBelow = 0.8;
-
-// The chunks RunChunked splits a bucket of n elements into (chunk c: [c*kChunk, ...)).
-size_t NumChunks(int64_t n) { return n <= 0 ? 0 : static_cast<size_t>((n + kChunk - 1) / kChunk); }
 
 uint64_t Align64(uint64_t x) { return (x + 63) / 64 * 64; }
 
@@ -317,7 +310,13 @@ bool JobOptimizer::Scan() {
     }
     if (!TakeDelivery(b, ready)) return false;
   }
-  if (plan_.max_grad_norm > 0 && commit > committed_local_ && !commit_running_) MaybeApplyCommit();
+  if (plan_.max_grad_norm > 0) {
+    if (commit_running_) {
+      AdvanceCommit();
+    } else if (commit > committed_local_) {
+      MaybeApplyCommit();
+    }
+  }
   return !failed_.load();
 }
 
@@ -407,113 +406,6 @@ JobOptimizer::FinalGrad JobOptimizer::FinalGradOf(const BucketRun& run, bool fro
   return {run.grad, run.plan.grad_dtype};
 }
 
-void JobOptimizer::HoldForCommit(size_t b, bool from_accum) {
-  BucketRun& run = *runs_[b];
-  run.held_from_accum = from_accum;
-  run.partial.assign(NumChunks(run.plan.numel) + 1, 0.0);
-  const FinalGrad g = FinalGradOf(run, from_accum);
-  RunChunked(
-      b,
-      [this, run = &run, g](int64_t begin, int64_t n, size_t chunk) {
-        run->partial[chunk] = kernels::SumSquares(
-            static_cast<const char*>(g.data) + begin * kernels::DTypeSize(g.dtype), g.dtype, n,
-            isa_);
-      },
-      [this, run = &run] { Held(*run); });
-}
-
-void JobOptimizer::Held(BucketRun& run) {
-  run.sumsq = 0;
-  for (double x : run.partial) run.sumsq += x;
-  run.held = true;
-  run.busy.store(false, std::memory_order_release);
-  Kick();
-}
-
-void JobOptimizer::MaybeApplyCommit() {
-  for (const auto& run : runs_) {
-    if (run->busy.load(std::memory_order_acquire)) return;  // sums of squares still running
-  }
-  double total = 0;
-  std::vector<size_t> held;
-  for (size_t b = 0; b < runs_.size(); ++b) {
-    if (runs_[b]->held) {
-      total += runs_[b]->sumsq;
-      held.push_back(b);
-    }
-  }
-  // torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1, in fp32.
-  const float norm = static_cast<float>(std::sqrt(total));
-  float coef = static_cast<float>(plan_.max_grad_norm) / (norm + 1e-6f);
-  if (coef > 1.0f) coef = 1.0f;
-  page_.header->last_grad_norm = norm;
-  last_norm_ = norm;
-  const uint64_t target = committed_local_ + 1;
-  if (held.empty()) {
-    committed_local_ = target;
-    page_.header->committed.store(target, std::memory_order_release);
-    page_.header->completions.fetch_add(1, std::memory_order_release);
-    wire::FutexWakeAll(&page_.header->completions);
-    return;
-  }
-  // In the order the next forward uses the buckets (the client's `order`, a sort key only).
-  std::stable_sort(held.begin(), held.end(),
-                   [this](size_t a, size_t b) { return Priority(a) < Priority(b); });
-  commit_running_ = true;
-  commit_left_.store(static_cast<int64_t>(held.size()));
-  committed_local_ = target;
-  bool speculated = false, redone = false;
-  for (size_t b : held) {
-    BucketRun& run = *runs_[b];
-    run.held = false;
-    run.busy.store(true, std::memory_order_relaxed);
-    const FinalGrad g = FinalGradOf(run, run.held_from_accum);
-    auto after = [this, b, target] {
-      CompleteDelivery(b);
-      if (commit_left_.fetch_sub(1) == 1) {
-        // The last bucket of the commit: publish it.
-        page_.header->committed.store(target, std::memory_order_release);
-        page_.header->completions.fetch_add(1, std::memory_order_release);
-        wire::FutexWakeAll(&page_.header->completions);
-      }
-    };
-    if (!run.speculated) {
-      StepBucket(b, g.data, g.dtype, coef, std::move(after));
-      continue;
-    }
-    // Speculated: kept when it is what the commit would compute (coefficient 1, the same
-    // hyperparameters, every chunk applied), else undone and redone.
-    run.speculated = false;
-    speculated = true;
-    absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
-    if (!h.ok()) {
-      Fail(std::string(h.status().message()));
-      return;
-    }
-    h->step = run.steps;
-    h->grad_scale = coef;
-    const kernels::AdamWHyper& was = run.spec_hyper;
-    const bool same = h->lr == was.lr && h->beta1 == was.beta1 && h->beta2 == was.beta2 &&
-                      h->eps == was.eps && h->weight_decay == was.weight_decay;
-    const bool whole = std::all_of(run.spec_chunks.begin(), run.spec_chunks.end(),
-                                   [](uint8_t c) { return c != 0; });
-    if (coef == 1.0f && same && whole) {
-      PublishStep(b);
-      after();
-    } else {
-      redone = true;
-      RedoBucket(b, g.data, g.dtype, *h, std::move(after));
-    }
-  }
-  if (speculated) speculated_commits_.fetch_add(1, std::memory_order_relaxed);
-  if (redone) redone_commits_.fetch_add(1, std::memory_order_relaxed);
-}
-
-bool JobOptimizer::ShouldSpeculate(size_t b) const {
-  return plan_.speculate_clip && runs_[b]->steps >= 1 && std::isfinite(last_norm_) &&
-         last_norm_ < kSpeculateBelow * plan_.max_grad_norm;
-}
-
 absl::StatusOr<kernels::AdamWHyper> JobOptimizer::PageHyper(uint32_t group) const {
   const wire::ControlGroup g = page_.groups[group];  // a copy: the page is not ours
   if (absl::Status s = CheckHyper(g.lr, g.beta1, g.beta2, g.eps, g.weight_decay); !s.ok()) {
@@ -558,68 +450,6 @@ kernels::AdamWTensors JobOptimizer::Tensors(const BucketRun& run, const void* gr
   t.sr_seed = run.sr_seed;
   t.sr_offset = begin;
   return t;
-}
-
-void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
-  BucketRun& run = *runs_[b];
-  const std::optional<kernels::AdamWHyper> h = NextStepHyper(run);
-  if (!h) return;
-  run.spec_hyper = *h;
-  run.held_from_accum = from_accum;
-  const size_t chunks = NumChunks(run.plan.numel);
-  run.partial.assign(chunks + 1, 0.0);
-  run.spec_chunks.assign(chunks, 0);
-  const FinalGrad g = FinalGradOf(run, from_accum);
-  run.started = std::chrono::steady_clock::now();
-  RunChunked(
-      b,
-      [this, run = &run, g, hyper = *h](int64_t begin, int64_t n, size_t chunk) {
-        const kernels::AdamWTensors t = Tensors(*run, g.data, g.dtype, begin, n);
-        // The squares first, in the same pass (the chunk is still in cache for the update): a
-        // non-finite chunk is not applied, so its commit never has to undo an Inf or a NaN.
-        const double sumsq = kernels::SumSquares(t.grad, g.dtype, n, isa_);
-        run->partial[chunk] = sumsq;
-        if (std::isfinite(sumsq)) {
-          kernels::AdamWStep(t, hyper, isa_);
-          run->spec_chunks[chunk] = 1;
-        }
-      },
-      [this, b, run = &run] {
-        RecordLatency(b);
-        run->speculated = true;
-        Held(*run);
-      });
-}
-
-void JobOptimizer::RedoBucket(size_t b, const void* grad, kernels::DType grad_dtype,
-                              const kernels::AdamWHyper& h, std::function<void()> after) {
-  BucketRun& run = *runs_[b];
-  run.started = std::chrono::steady_clock::now();
-  RunChunked(
-      b,
-      [this, run = &run, grad, grad_dtype, h](int64_t begin, int64_t n, size_t chunk) {
-        const kernels::AdamWTensors t = Tensors(*run, grad, grad_dtype, begin, n);
-        if (run->spec_chunks[chunk] != 0) kernels::AdamWUndo(t, run->spec_hyper);
-        kernels::AdamWStep(t, h, isa_);
-      },
-      [this, b, after = std::move(after)] {
-        RecordLatency(b);
-        PublishStep(b);
-        after();
-      });
-}
-
-void JobOptimizer::UndoSpeculation(size_t b) {
-  BucketRun& run = *runs_[b];
-  const FinalGrad g = FinalGradOf(run, run.held_from_accum);
-  for (size_t c = 0; c < run.spec_chunks.size(); ++c) {
-    if (run.spec_chunks[c] == 0) continue;
-    const int64_t begin = static_cast<int64_t>(c) * kChunk;
-    const int64_t n = std::min(kChunk, run.plan.numel - begin);
-    kernels::AdamWUndo(Tensors(run, g.data, g.dtype, begin, n), run.spec_hyper);
-  }
-  --run.steps;
-  run.speculated = false;
 }
 
 void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
@@ -669,26 +499,31 @@ void JobOptimizer::PublishStep(size_t b) {
 void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
                               std::function<void()> done) {
   BucketRun& run = *runs_[b];
-  const int64_t n = run.plan.numel;
-  if (n <= kInline) {
+  RunChunkedOn(run.plan.numel, run.remaining, Priority(b), std::move(fn), std::move(done));
+}
+
+void JobOptimizer::RunChunkedOn(int64_t n, std::atomic<int64_t>& remaining, uint64_t priority,
+                                std::function<void(int64_t, int64_t, size_t)> fn,
+                                std::function<void()> done) {
+  if (n <= chunks::kInline) {
     if (n > 0) TimeWork([&] { fn(0, n, 0); });
     done();
     return;
   }
-  const int64_t chunks = static_cast<int64_t>(NumChunks(n));
-  run.remaining.store(chunks, std::memory_order_relaxed);
+  const int64_t count = static_cast<int64_t>(chunks::Count(n));
+  remaining.store(count, std::memory_order_relaxed);
   auto shared_fn = std::make_shared<std::function<void(int64_t, int64_t, size_t)>>(std::move(fn));
   auto shared_done = std::make_shared<std::function<void()>>(std::move(done));
   std::vector<std::function<void()>> tasks;
-  tasks.reserve(static_cast<size_t>(chunks));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    tasks.push_back([this, run = &run, shared_fn, shared_done, begin, len, c] {
+  tasks.reserve(static_cast<size_t>(count));
+  for (int64_t c = 0; c < count; ++c) {
+    const int64_t begin = c * chunks::kChunk, len = std::min(chunks::kChunk, n - begin);
+    tasks.push_back([this, left = &remaining, shared_fn, shared_done, begin, len, c] {
       TimeWork([&] { (*shared_fn)(begin, len, static_cast<size_t>(c)); });
-      if (run->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) (*shared_done)();
+      if (left->fetch_sub(1, std::memory_order_acq_rel) == 1) (*shared_done)();
     });
   }
-  pool_.Submit(queue_, std::move(tasks), Priority(b));
+  pool_.Submit(queue_, std::move(tasks), priority);
 }
 
 uint64_t JobOptimizer::Priority(size_t b) const {

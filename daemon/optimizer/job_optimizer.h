@@ -8,9 +8,11 @@
 // client's commit. With clipping it may instead speculate: update right away as if clipping will
 // not bite (the last step's norm was well under the limit), sum the squares in the same pass,
 // and publish the update only at the commit, undoing and redoing it there when clipping did bite
-// or the step's hyperparameters changed (docs/daemon.md, "Clipping without a stall"). Small buckets
-// run on the dispatcher itself (one thread hop less on the hot path); large ones are split into
-// chunks across the pool. Completion stores the bucket's `done` counter and wakes the client.
+// or the step's hyperparameters changed (docs/daemon.md, "Clipping without a stall"). The commit
+// needs only the norm, not the updates: it sums the squares of gradients still being speculated
+// on itself, then publishes each bucket as its own update ends (job_optimizer_commit.cc). Small
+// buckets run on the dispatcher itself (one thread hop less on the hot path); large ones are split
+// into chunks across the pool. Completion stores the bucket's `done` counter and wakes the client.
 // Queued updates (and those of a commit) run in the order the client's forward uses the buckets
 // (the page's `order`), so the next forward waits least.
 //
@@ -179,6 +181,15 @@ class JobOptimizer final {
     std::vector<double> partial;  // per-chunk sums of squares
     double sumsq = 0;
     std::atomic<int64_t> remaining{0};
+    // True (released before the chunks are queued) while a speculation is queued or running: a
+    // commit asked meanwhile sums the gradient's squares itself (`norm_partial`, counted down by
+    // `norm_remaining`) rather than wait for the update.
+    std::atomic<bool> speculating{false};
+    std::vector<double> norm_partial;
+    std::atomic<int64_t> norm_remaining{0};
+    // Dispatcher: a member of the running commit not applied yet; its norm from norm_partial.
+    bool in_commit = false;
+    bool norm_by_commit = false;
     int64_t steps = 0;
     uint64_t sr_seed = 0;
     std::chrono::steady_clock::time_point started;  // when the update in flight was dispatched
@@ -203,7 +214,19 @@ class JobOptimizer final {
   // The end of a hold (held or speculated): the bucket's sum of squares from its chunks', the
   // bucket held and released to the dispatcher, which is woken.
   void Held(BucketRun& run);
+  // Starts the commit the client asked for once every final delivery is held or speculating
+  // (job_optimizer_commit.cc): the norm from what is known plus passes of its own over the
+  // gradients still being speculated on, then AdvanceCommit.
   void MaybeApplyCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // A commit's own sums of squares of bucket b's final gradient, ahead of the queued updates.
+  void SumSquaresForCommit(size_t b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Decides the running commit once its norm is known (coefficient, the hyperparameters of the
+  // step), then applies each member no longer busy; the dispatcher calls it again on each wake.
+  void AdvanceCommit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // Applies the decided commit to held bucket b: keeps, redoes or (held, not speculated) steps it.
+  void ApplyCommitTo(size_t b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_mu_);
+  // The commit's last bucket is done: the page's `committed` counter, and the waiters woken.
+  void PublishCommit(uint64_t target);
   // Whether bucket b's final delivery of this step may be applied before its commit: the plan
   // allows it, the bucket has stepped before, and the last step's norm was under
   // kSpeculateBelow of the limit (so clipping most likely will not bite).
@@ -228,10 +251,13 @@ class JobOptimizer final {
   // After a bucket's update: its latency into the stats, and its step count published.
   void RecordLatency(size_t b);
   void PublishStep(size_t b);
-  // Runs `fn(begin, n)` over a bucket in chunks: inline when small, else on the pool; `done`
-  // runs once after the last chunk.
+  // Runs `fn(begin, n, chunk)` over a bucket in chunks (chunks.h): inline when small, else on
+  // the pool at the bucket's priority; `done` runs once after the last chunk.
   void RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
                   std::function<void()> done);
+  // The same over n elements, counting down `remaining`, at `priority`.
+  void RunChunkedOn(int64_t n, std::atomic<int64_t>& remaining, uint64_t priority,
+                    std::function<void(int64_t, int64_t, size_t)> fn, std::function<void()> done);
   // Runs `work` and adds its wall time to work_busy_ns_ (the job's bucket work, JobActivity).
   template <typename F>
   void TimeWork(F&& work) {
@@ -270,6 +296,18 @@ class JobOptimizer final {
   uint64_t committed_local_ ABSL_GUARDED_BY(state_mu_) = 0;
   bool commit_running_ ABSL_GUARDED_BY(state_mu_) = false;
   std::atomic<int64_t> commit_left_{0};
+  // The running commit: its counter value, whether its norm is known yet (then the coefficient
+  // and each member group's hyperparameters, read once), the members still to apply in forward
+  // order, whether it kept or redid a speculated update; `norm_left_`: its sums of squares
+  // still running on the pool (the last one wakes the dispatcher).
+  uint64_t commit_target_ ABSL_GUARDED_BY(state_mu_) = 0;
+  bool commit_decided_ ABSL_GUARDED_BY(state_mu_) = false;
+  float commit_coef_ ABSL_GUARDED_BY(state_mu_) = 1.0f;
+  std::vector<std::optional<kernels::AdamWHyper>> commit_hyper_ ABSL_GUARDED_BY(state_mu_);
+  std::vector<size_t> commit_members_ ABSL_GUARDED_BY(state_mu_);
+  bool commit_speculated_ ABSL_GUARDED_BY(state_mu_) = false;
+  bool commit_redone_ ABSL_GUARDED_BY(state_mu_) = false;
+  std::atomic<int64_t> norm_left_{0};
   // The last commit's gradient norm (NaN before the first): whether the next step speculates.
   double last_norm_ ABSL_GUARDED_BY(state_mu_) = std::numeric_limits<double>::quiet_NaN();
   // Commits that had speculated updates, and those of them that redid any (JobActivity).

@@ -9,7 +9,9 @@
 //     (the undo is exact up to rounding: measured, 1 to 2 ulps of the largest parameters);
 //   - the daemon's counters say which commits speculated and which redid, as computed here;
 //   - an Inf gradient after speculation gives what torch gives (clip coefficient 0, NaN where the
-//     Inf was), as the holding job does.
+//     Inf was), as the holding job does;
+//   - the commit publishes the bucket the forward needs first while a large one is still being
+//     speculated on, and applies that one with the step's hyperparameters.
 #include <unistd.h>
 
 #include <cmath>
@@ -193,6 +195,83 @@ TEST_P(Speculation, KeptWhenClippingDoesNotBiteRedoneWhenItDoes) {
   const JobStatus::Activity h = ActivityOf(*held.client, "holds");
   EXPECT_EQ(h.speculated_commits, 0u);
   EXPECT_EQ(h.redone_commits, 0u);
+}
+
+// The commit needs the norm, not the updates: a bucket the next forward needs first is published
+// while a large one is still being speculated on (the commit sums that one's squares itself), and
+// the large one is applied with the step's hyperparameters even when the trainer writes the next
+// step's before it ends. One optimizer thread and an 8M-element bucket make the large update last
+// far longer than the small one's commit; the commit used to wait for every update, so before
+// this change the small bucket was never published first.
+TEST(Speculation, FirstBucketPublishedWhileTheLastIsStillSpeculated) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "384MiB", "--optimizer-threads", "1"}});
+  ASSERT_TRUE(d);
+  const std::vector<uint64_t> sizes = {1000, uint64_t{8} << 20};  // A (first in forward), B
+  constexpr size_t kA = 0, kB = 1;
+  OptimizerSpec spec;
+  spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1}};
+  for (uint64_t n : sizes) spec.buckets.push_back({0, n, DType::kF32, DType::kF32});
+  spec.max_grad_norm = 1.0;
+  Job job = Register(*d, "early", spec);
+  ASSERT_TRUE(job.opt);
+  ASSERT_TRUE(job.opt->SetOrder({kA, kB}).ok());
+  std::mt19937 rng(5);
+  std::vector<RefParam> ref = RandomRef(sizes, rng);
+  for (size_t b = 0; b < sizes.size(); ++b)
+    std::memcpy(job.opt->master(b), ref[b].p.data(), sizes[b] * 4);
+  const double total_numel = static_cast<double>(sizes[0] + sizes[1]);
+  // Norms: 0.3 (no speculation yet), four that do not bite, then 3.0, which bites after a
+  // speculation: the large bucket is undone and redone once its speculation ends.
+  const std::vector<double> target = {0.3, 0.3, 0.4, 0.3, 0.5, 3.0};
+  int published_first = 0;
+  uint64_t redone = 0;
+  for (int step = 1; step <= static_cast<int>(target.size()); ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    GroupHyper h = spec.groups[0];
+    h.lr *= 1.0 + 0.1 * step;
+    ASSERT_TRUE(job.opt->SetGroup(0, h).ok());
+    const float scale = static_cast<float>(target[step - 1] / std::sqrt(total_numel));
+    std::vector<std::vector<float>> grads(sizes.size());
+    ASSERT_TRUE(job.opt->Wait(kB).ok());
+    // B's chunks run in order: its last ones unchanged mean its speculation has not ended.
+    const float* b_tail = job.opt->master(kB) + sizes[kB] - 4096;
+    const std::vector<float> tail_before(b_tail, b_tail + 4096);
+    for (size_t b : {kB, kA}) {  // backward order
+      ASSERT_TRUE(job.opt->Wait(b).ok());
+      grads[b] = RandomVec(sizes[b], rng, scale);
+      std::memcpy(job.opt->grad(b), grads[b].data(), sizes[b] * 4);
+      ASSERT_TRUE(job.opt->Ready(b).ok());
+    }
+    ASSERT_TRUE(job.opt->Commit(absl::Seconds(600), /*wait=*/false).ok());
+    ASSERT_TRUE(job.opt->Wait(kA).ok());
+    EXPECT_EQ(job.opt->steps(kA), static_cast<uint32_t>(step));
+    if (step > 1) published_first += std::memcmp(b_tail, tail_before.data(), 4096 * 4) == 0;
+    // The trainer's scheduler writes the next step's rate while B may still be in flight.
+    GroupHyper next = h;
+    next.lr *= 7;
+    ASSERT_TRUE(job.opt->SetGroup(0, next).ok());
+    ASSERT_TRUE(job.opt->WaitCommitted().ok());
+    ASSERT_TRUE(job.opt->WaitAll().ok());
+    const auto [norm, coef] = ClipOf(grads, 1.0);
+    redone += step > 1 && coef < 1.0f;
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      RefStep(ref[b], grads[b], h, coef);
+      EXPECT_EQ(job.opt->steps(b), static_cast<uint32_t>(step));
+      if (coef == 1.0f) {
+        EXPECT_EQ(std::memcmp(job.opt->master(b), ref[b].p.data(), sizes[b] * 4), 0)
+            << "bucket " << b;
+      } else {
+        EXPECT_LE(MaxAbsDiff(job.opt->master(b), ref[b].p), 1e-6) << "bucket " << b;
+      }
+    }
+  }
+  // Steps 2 to 6 speculate; B's update (8M elements on one thread) outlasts A's commit in
+  // nearly every one of them. Before, never: the commit waited for B's last chunk.
+  EXPECT_GE(published_first, 3) << "of 5 steps";
+  const JobStatus::Activity a = ActivityOf(*job.client, "early");
+  EXPECT_EQ(a.speculated_commits, 5u);
+  EXPECT_EQ(a.redone_commits, redone);
+  EXPECT_EQ(redone, 1u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Deliveries, Speculation, ::testing::Values(false, true),
