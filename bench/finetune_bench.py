@@ -69,7 +69,9 @@ each tsd mode records its PCIe bytes per step (gradients down, updated weights u
 and weight pages), so the bound gains a PCIe term (`bound_pcie_s`), the part a run under a tight
 budget is bound by. Each tsd mode also records how long tsd's threads worked on its updates per step
 (`tsd_busy_s`: JobActivity.work_busy_s over the drained window, per step and thread) and the window
-less that (`tsd_idle_s`). --loader-workers N feeds the random tokens
+less that (`tsd_idle_s`), and where that idle time fell (`tsd_gaps`, bench/tsd_timeline.py: the
+stretches with no update under way, from the control page's per-bucket stamps, by the trainer's
+phase: forward, backward, step(), between steps, the final drain). --loader-workers N feeds the random tokens
 through a torch DataLoader with N worker processes (the tsd modes' step then includes waiting for
 it, recorded as data_wait_ms), to measure a trainer whose loader workers share the CPUs with tsd.
 
@@ -250,6 +252,9 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
 
 VALUE_KEYS = {"step_s_median": "step_s_median", "steps": "step_s", "step_s_window": "step_s_window",
               "tsd_busy_s": "tsd_busy_s", "tsd_idle_s": "tsd_idle_s",
+              "tsd_gap_ms": "tsd_gap_ms", "tsd_gap_forward_ms": "tsd_gap_forward_ms",
+              "tsd_gap_backward_ms": "tsd_gap_backward_ms", "tsd_gap_step_ms": "tsd_gap_step_ms",
+              "tsd_gap_between_ms": "tsd_gap_between_ms", "tsd_gap_drain_ms": "tsd_gap_drain_ms",
               "pcie_h2d_bytes_per_step": "pcie_h2d_bytes_per_step", "pcie_d2h_bytes_per_step": "pcie_d2h_bytes_per_step",
               "settled_after": "settled_after", "first_settled_step": "first_settled_step", "peak_gib": "vram_torch_peak_gib",
               "tsd_gib": "tsd_used_gib", "setup_s": "setup_s", "loss": "loss", "gpu_forward_ms": "gpu_forward_ms",

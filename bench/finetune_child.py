@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import benchlib
 import stream
+import tsd_timeline
 from finetune_model import build_model, host_built
 from finetune_modes import LORA_MODES, TSD_MODES, option_value
 
@@ -121,6 +122,12 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     # over the window, per step and thread, the time the updates take with every thread on them.
     tsd_job = TsdJob(session, a.socket)
     busy_at: list[Optional[float]] = []
+    # The trainer's phases on the control page's clock, beside tsd's stamps of each update it
+    # waited for (Session.timeline): where tsd's threads had nothing to do (tsd_timeline.py).
+    timeline: Optional[list[Any]] = [] if session is not None else None
+    if session is not None:
+        session.timeline = timeline
+    marks: list[tuple[int, int, int, int, int]] = []  # step, start, forward, backward, step() ends (ns)
     timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
@@ -128,6 +135,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         prof = start_profile(cuda) if step + 1 == a.profile_step else None
         busy_at.append(tsd_job.busy())
         t = time.perf_counter()
+        t_ns = time.monotonic_ns()
         starts.append(t)
         act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
         data_wait: Optional[float] = None
@@ -145,16 +153,19 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             # after step() would wait for the whole commit, which overlap_forward runs during it).
             norms.append(opt.last_grad_norm)
         tb = time.perf_counter()
+        fwd_ns = time.monotonic_ns()
         _PROGRESS["phase"] = "backward"
         loss.backward()
         if cuda:
             ev[2].record()
         ts = time.perf_counter()
+        bwd_ns = time.monotonic_ns()
         _PROGRESS["phase"] = "optimizer step"
         if clip is not None:
             clip()
         opt.step()
         step_ms.append((time.perf_counter() - ts) * 1e3)
+        marks.append((step, t_ns, fwd_ns, bwd_ns, time.monotonic_ns()))
         opt.zero_grad(set_to_none=True)
         sync()
         if cuda:
@@ -180,6 +191,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     if session is not None and hasattr(opt, "synchronize"):
         opt.synchronize()  # the last step's updates, owed with overlap_forward
     sync()
+    drained_ns = time.monotonic_ns()
+    if session is not None:
+        session.timeline = None
     first = min(2, a.steps - 1)  # the first settled step (0-based)
     if settled_after is not None and settled_after < a.steps:
         first = max(first, settled_after)
@@ -196,6 +210,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     tsd_busy_s = ((busy_end - busy_start) / window_steps / threads
                   if busy_end is not None and busy_start is not None and threads and step_s_window else None)
     tsd_job.close()
+    tsd_gaps = None
+    if timeline and window_steps and not profiled_in_window:
+        tsd_gaps = tsd_timeline.idle_by_phase(timeline, window_phases(marks, first, drained_ns), window_steps)
     held = sum(j.used_bytes for j in mine)
     speculated = sum(j.speculated_commits for j in mine)
     redone = sum(j.redone_commits for j in mine)
@@ -251,6 +268,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         mode=a.mode, arch=a.arch, params=n_params, batch=a.batch, seq=a.seq,
         clip=a.clip, speculated_commits=speculated, redone_commits=redone, step_s_median=settled(times), steps=times, step_s_window=step_s_window,
         tsd_busy_s=tsd_busy_s, tsd_idle_s=(step_s_window - tsd_busy_s if tsd_busy_s is not None else None),
+        tsd_gaps=tsd_gaps, tsd_gap_ms=(tsd_gaps or {}).get("total_ms"),
+        **{f"tsd_gap_{k}_ms": v for k, v in ((tsd_gaps or {}).get("per_step_ms") or {}).items()},
         settled_after=settled_after, first_settled_step=first + 1,
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, tsd_gib=held / 2**30,
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
@@ -346,6 +365,23 @@ class TsdJob:
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+def window_phases(marks: list[tuple[int, int, int, int, int]], first: int,
+                  drained_ns: int) -> list[tuple[str, int, int]]:
+    """The trainer's phases from step `first` (0-based) on, back to back: each step's forward,
+    backward and step(), the loop's own work up to the next step ("between"), and after the last
+    step the wait for its owed updates ("drain")."""
+    out: list[tuple[str, int, int]] = []
+    steps = [m for m in marks if m[0] >= first]
+    for i, (_step, start, fwd, bwd, done) in enumerate(steps):
+        nxt = steps[i + 1][1] if i + 1 < len(steps) else None
+        out += [("forward", start, fwd), ("backward", fwd, bwd), ("step", bwd, done)]
+        if nxt is not None:
+            out.append(("between", done, nxt))
+        else:
+            out.append(("drain", done, drained_ns))
+    return out
 
 
 def start_profile(cuda: bool) -> Any:

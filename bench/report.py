@@ -68,7 +68,8 @@ ALIASES = {"step": "step_s_median", "vram": "vram_torch_peak_gib", "vram_device"
            "bound": "bound_s", "host_time": "host_s", "of_bound": "step_over_bound", "clip_bit": "clip_bit_share",
            "window": "step_s_window", "window_of_bound": "window_over_bound", "busy": "tsd_busy_s",
            "idle": "tsd_idle_s", "pcie": "pcie_s", "bound_pcie": "bound_pcie_s", "of_bound_pcie": "step_over_bound_pcie",
-           "window_of_bound_pcie": "window_over_bound_pcie"}
+           "window_of_bound_pcie": "window_over_bound_pcie", "gap": "tsd_gap_ms", "gap_fwd": "tsd_gap_forward_ms",
+           "gap_bwd": "tsd_gap_backward_ms", "gap_step": "tsd_gap_step_ms", "gap_between": "tsd_gap_between_ms"}
 HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "window_over_bound": "window x the bound", "vram_torch_peak_gib": "peak VRAM GiB (torch)",
            "vram_device_peak_gib": "peak VRAM GiB (device)", "host_pss_peak_gib": "host PSS GiB (trainer + tsd)",
@@ -88,7 +89,9 @@ HEADERS = {"step_s_median": "s/step", "step_s_window": "s/step, window drained",
            "host_pss_steps_peak_gib": "host PSS GiB (steps)",
            "tsd_busy_s": "tsd threads busy s/step", "tsd_idle_s": "window less busy s/step",
            "pcie_s": "PCIe s (bytes / measured)", "bound_pcie_s": "bound with PCIe s",
-           "step_over_bound_pcie": "x the bound with PCIe", "window_over_bound_pcie": "window x the bound with PCIe"}
+           "step_over_bound_pcie": "x the bound with PCIe", "window_over_bound_pcie": "window x the bound with PCIe",
+           "tsd_gap_ms": "no update under way ms/step", "tsd_gap_forward_ms": "of it in forward",
+           "tsd_gap_backward_ms": "in backward", "tsd_gap_step_ms": "in step()", "tsd_gap_between_ms": "between steps"}
 LABELS = {"tsd": "fp32 weights on the GPU, AdamW in tsd",
           "tsd_bf16": "bf16 weights on the GPU, fp32 masters and moments in tsd",
           "tsd_bf16m": "bf16 weights, bf16 moments in tsd",

@@ -64,6 +64,15 @@ struct alignas(64) ControlBucket {
   std::atomic<uint32_t> flags;  // written by the client before `ready`
   std::atomic<uint32_t> steps;  // written by the daemon: optimizer steps applied to this bucket
   std::atomic<uint32_t> order;  // written by the client: 1 + the bucket's forward rank, 0 = none
+  // Written by the daemon, for measurement only (CLOCK_MONOTONIC nanoseconds, the clock of every
+  // process on the host; 0 until the first): when it took the bucket's last delivery, when the
+  // work on it last began and ended (its first chunk's start, its last chunk's end: an
+  // accumulation, a hold's sums of squares, an update, a speculation or a redo), and when it
+  // last stored `done`. They filled the line's free bytes, so the layout did not change.
+  std::atomic<uint64_t> taken_ns;
+  std::atomic<uint64_t> began_ns;
+  std::atomic<uint64_t> ended_ns;
+  std::atomic<uint64_t> published_ns;
 };
 static_assert(sizeof(ControlBucket) == 64, "a bucket's counters fill one cache line");
 

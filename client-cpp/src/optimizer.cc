@@ -94,6 +94,16 @@ uint32_t Optimizer::steps(size_t b) const {
   return View(control_, groups_).buckets[b].steps.load(std::memory_order_acquire);
 }
 
+Optimizer::BucketTimes Optimizer::times(size_t b) const {
+  const wire::ControlBucket& slot = View(control_, groups_).buckets[b];
+  // `done` first (acquire): a client that saw the bucket done sees that delivery's stamps.
+  (void)slot.done.load(std::memory_order_acquire);
+  return {slot.taken_ns.load(std::memory_order_relaxed),
+          slot.began_ns.load(std::memory_order_relaxed),
+          slot.ended_ns.load(std::memory_order_relaxed),
+          slot.published_ns.load(std::memory_order_relaxed)};
+}
+
 absl::Status Optimizer::ReportStep(absl::Duration wait, uint64_t h2d_bytes, uint64_t d2h_bytes) {
   if (wait < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("ReportStep: the wait (",

@@ -749,6 +749,12 @@ PYBIND11_MODULE(_C, m) {
              CheckBucket(h, b);
              return h.opt->steps(b);
            })
+      .def("times",
+           [](const OptimizerHandle& h, size_t b) {
+             CheckBucket(h, b);
+             const tsd::Optimizer::BucketTimes t = h.opt->times(b);
+             return py::make_tuple(t.taken_ns, t.began_ns, t.ended_ns, t.published_ns);
+           })
       .def(
           "wait_steps",
           [](OptimizerHandle& h, size_t b, uint32_t steps, double timeout_s) {

@@ -161,6 +161,10 @@ class Session:
         # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
         # step(), whose reduction and delivery it does (finish_step hands over to it).
         self.dp: Any = None
+        # For measurement (bench/): when a list, each wait for a bucket's update appends
+        # (bucket, taken_ns, began_ns, ended_ns, published_ns, got_ns): tsd's stamps of the update
+        # just waited for (the control page's, CLOCK_MONOTONIC) and when the wait returned.
+        self.timeline: Optional[list[tuple[int, int, int, int, int, int]]] = None
 
     # ---- hyperparameters
     def group_hyper(self, optimizer: torch.optim.Optimizer) -> list[tuple[float, ...]]:
@@ -333,6 +337,8 @@ class Session:
             self.handle.wait_steps(b, self.dp.expected[b])
         else:
             self.handle.wait(b)
+        if self.timeline is not None:
+            self.timeline.append((b, *self.handle.times(b), time.monotonic_ns()))
 
     def wait_updates(self, buckets: Optional[list[int]] = None) -> None:
         """Completes the updates still owed to the model: of `buckets`, or all (None). Everything that

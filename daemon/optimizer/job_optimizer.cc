@@ -1,5 +1,7 @@
 #include "daemon/optimizer/job_optimizer.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -56,6 +58,14 @@ absl::Status CheckHyper(double lr, double beta1, double beta2, double eps, doubl
   if (!std::isfinite(wd) || wd < 0)
     return absl::InvalidArgumentError(absl::StrCat("invalid weight_decay ", wd));
   return absl::OkStatus();
+}
+
+// CLOCK_MONOTONIC in nanoseconds: the clock the control page's timestamps use (the client's
+// time.monotonic_ns() and steady_clock read it too).
+uint64_t MonotonicNs() {
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<uint64_t>(t.tv_sec) * 1000000000u + static_cast<uint64_t>(t.tv_nsec);
 }
 
 }  // namespace
@@ -359,6 +369,7 @@ bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
                       ") but the optimizer was registered without accumulate=true"));
     return false;
   }
+  page_.buckets[b].taken_ns.store(MonotonicNs(), std::memory_order_relaxed);
   run.busy.store(true, std::memory_order_relaxed);
   run.pending = ready;
   run.done_local = ready;  // taken: the next valid counter value is ready + 1
@@ -499,7 +510,18 @@ void JobOptimizer::PublishStep(size_t b) {
 void JobOptimizer::RunChunked(size_t b, std::function<void(int64_t, int64_t, size_t)> fn,
                               std::function<void()> done) {
   BucketRun& run = *runs_[b];
-  RunChunkedOn(run.plan.numel, run.remaining, Priority(b), std::move(fn), std::move(done));
+  // The page's began/ended stamps: chunk 0 runs first (same priority, submitted first).
+  wire::ControlBucket& slot = page_.buckets[b];
+  RunChunkedOn(
+      run.plan.numel, run.remaining, Priority(b),
+      [fn = std::move(fn), &slot](int64_t begin, int64_t n, size_t chunk) {
+        if (chunk == 0) slot.began_ns.store(MonotonicNs(), std::memory_order_relaxed);
+        fn(begin, n, chunk);
+      },
+      [done = std::move(done), &slot] {
+        slot.ended_ns.store(MonotonicNs(), std::memory_order_relaxed);
+        done();
+      });
 }
 
 void JobOptimizer::RunChunkedOn(int64_t n, std::atomic<int64_t>& remaining, uint64_t priority,
@@ -533,6 +555,7 @@ uint64_t JobOptimizer::Priority(size_t b) const {
 
 void JobOptimizer::CompleteDelivery(size_t b) {
   BucketRun& run = *runs_[b];
+  page_.buckets[b].published_ns.store(MonotonicNs(), std::memory_order_relaxed);
   page_.buckets[b].done.store(run.pending, std::memory_order_release);
   run.busy.store(false, std::memory_order_release);
   page_.header->completions.fetch_add(1, std::memory_order_release);

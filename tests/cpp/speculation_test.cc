@@ -223,7 +223,7 @@ TEST(Speculation, FirstBucketPublishedWhileTheLastIsStillSpeculated) {
   // Norms: 0.3 (no speculation yet), four that do not bite, then 3.0, which bites after a
   // speculation: the large bucket is undone and redone once its speculation ends.
   const std::vector<double> target = {0.3, 0.3, 0.4, 0.3, 0.5, 3.0};
-  int published_first = 0;
+  int published_first = 0, stamped_first = 0;
   uint64_t redone = 0;
   for (int step = 1; step <= static_cast<int>(target.size()); ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
@@ -252,6 +252,15 @@ TEST(Speculation, FirstBucketPublishedWhileTheLastIsStillSpeculated) {
     ASSERT_TRUE(job.opt->SetGroup(0, next).ok());
     ASSERT_TRUE(job.opt->WaitCommitted().ok());
     ASSERT_TRUE(job.opt->WaitAll().ok());
+    // The control page's stamps of each bucket's step, in order; A published before B's work ended.
+    for (size_t b : {kA, kB}) {
+      const Optimizer::BucketTimes t = job.opt->times(b);
+      EXPECT_GT(t.taken_ns, 0u) << "bucket " << b;
+      EXPECT_LE(t.taken_ns, t.began_ns) << "bucket " << b;
+      EXPECT_LE(t.began_ns, t.ended_ns) << "bucket " << b;
+      EXPECT_LE(t.ended_ns, t.published_ns) << "bucket " << b;
+    }
+    if (step > 1) stamped_first += job.opt->times(kA).published_ns < job.opt->times(kB).ended_ns;
     const auto [norm, coef] = ClipOf(grads, 1.0);
     redone += step > 1 && coef < 1.0f;
     for (size_t b = 0; b < sizes.size(); ++b) {
@@ -268,6 +277,7 @@ TEST(Speculation, FirstBucketPublishedWhileTheLastIsStillSpeculated) {
   // Steps 2 to 6 speculate; B's update (8M elements on one thread) outlasts A's commit in
   // nearly every one of them. Before, never: the commit waited for B's last chunk.
   EXPECT_GE(published_first, 3) << "of 5 steps";
+  EXPECT_GE(stamped_first, 3) << "of 5 steps";
   const JobStatus::Activity a = ActivityOf(*job.client, "early");
   EXPECT_EQ(a.speculated_commits, 5u);
   EXPECT_EQ(a.redone_commits, redone);

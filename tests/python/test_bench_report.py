@@ -383,6 +383,11 @@ def test_a_threads_variant_runs_against_a_tsd_of_its_own(tmp_path):
     # The threads' time on the job's updates over the settled window, per step and thread, and the rest.
     v = records["tsd:threads=1"]["values"]
     assert 0 < v["tsd_busy_s"] < v["step_s_window"] and v["tsd_idle_s"] == pytest.approx(v["step_s_window"] - v["tsd_busy_s"])
+    # Where no update was under way, from tsd's stamps of each update (tsd_timeline.py).
+    g = records["tsd:threads=1"]["raw"]["tsd_gaps"]  # the whole breakdown is in the child's line
+    assert g["updates"] > 0 and set(g["per_step_ms"]) == {"forward", "backward", "step", "drain"}
+    assert 0 <= v["tsd_gap_ms"] == g["total_ms"] <= v["step_s_window"] * 1e3 + 0.1
+    assert v["tsd_gap_forward_ms"] == g["per_step_ms"]["forward"]
 
 
 def test_threads_variant_settings_and_refusals():

@@ -134,6 +134,12 @@ class Optimizer final {
   double last_grad_norm() const;
   // Optimizer steps applied to bucket b.
   uint32_t steps(size_t b) const;
+  // When tsd last took bucket b's delivery, began and ended work on it, and published it
+  // (CLOCK_MONOTONIC ns, 0 until then; the control page's stamps, for measurement only).
+  struct BucketTimes {
+    uint64_t taken_ns = 0, began_ns = 0, ended_ns = 0, published_ns = 0;
+  };
+  BucketTimes times(size_t b) const;
   // Waits until at least `steps` optimizer steps were applied to bucket b: how a data-parallel
   // rank that does not deliver the bucket knows its parameter slot holds the step's update.
   absl::Status WaitSteps(size_t b, uint32_t steps, absl::Duration timeout = absl::Seconds(600));
