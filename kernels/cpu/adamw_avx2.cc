@@ -10,6 +10,7 @@
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/sr_hash.h"
+#include "kernels/cpu/with_dtype.h"
 
 #define TSD_INLINE inline __attribute__((always_inline))
 
@@ -278,36 +279,16 @@ double SumSq(const void* grad, int64_t n) {
 }  // namespace
 
 void AdamWStepAvx2(const AdamWTensors& t, const AdamWCoeffs& c) {
-  switch (t.grad_dtype) {
-    case DType::kBF16:
-      return DispatchM<DType::kBF16>(t, c);
-    case DType::kF16:
-      return DispatchM<DType::kF16>(t, c);
-    default:
-      return DispatchM<DType::kF32>(t, c);
-  }
+  return WithDType(t.grad_dtype, [&](auto k) { return DispatchM<decltype(k)::value>(t, c); });
 }
 
 void AccumulateGradAvx2(const void* grad, DType dtype, float* acc, int64_t n, bool first) {
-  switch (dtype) {
-    case DType::kBF16:
-      return Accumulate<DType::kBF16>(grad, acc, n, first);
-    case DType::kF16:
-      return Accumulate<DType::kF16>(grad, acc, n, first);
-    default:
-      return Accumulate<DType::kF32>(grad, acc, n, first);
-  }
+  return WithDType(dtype,
+                   [&](auto k) { return Accumulate<decltype(k)::value>(grad, acc, n, first); });
 }
 
 double SumSquaresAvx2(const void* grad, DType dtype, int64_t n) {
-  switch (dtype) {
-    case DType::kBF16:
-      return SumSq<DType::kBF16>(grad, n);
-    case DType::kF16:
-      return SumSq<DType::kF16>(grad, n);
-    default:
-      return SumSq<DType::kF32>(grad, n);
-  }
+  return WithDType(dtype, [&](auto k) { return SumSq<decltype(k)::value>(grad, n); });
 }
 
 }  // namespace tsd::kernels::detail

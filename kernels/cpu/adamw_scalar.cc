@@ -8,6 +8,7 @@
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/element.h"
 #include "kernels/cpu/sr_hash.h"
+#include "kernels/cpu/with_dtype.h"
 
 namespace tsd::kernels::detail {
 namespace {
@@ -83,14 +84,7 @@ void DispatchM(const AdamWTensors& t, const AdamWCoeffs& c) {
 }  // namespace
 
 void AdamWStepScalar(const AdamWTensors& t, const AdamWCoeffs& c) {
-  switch (t.grad_dtype) {
-    case DType::kBF16:
-      return DispatchM<DType::kBF16>(t, c);
-    case DType::kF16:
-      return DispatchM<DType::kF16>(t, c);
-    default:
-      return DispatchM<DType::kF32>(t, c);
-  }
+  return WithDType(t.grad_dtype, [&](auto k) { return DispatchM<decltype(k)::value>(t, c); });
 }
 
 void AccumulateGradScalar(const void* grad, DType dtype, float* acc, int64_t n, bool first) {

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/adamw.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/with_dtype.h"
 
 namespace tsd::kernels::detail {
 
@@ -22,14 +23,7 @@ inline float LoadAsF32(const void* base, int64_t i) {
 }
 
 inline float LoadAsF32(DType d, const void* base, int64_t i) {
-  switch (d) {
-    case DType::kBF16:
-      return LoadAsF32<DType::kBF16>(base, i);
-    case DType::kF16:
-      return LoadAsF32<DType::kF16>(base, i);
-    default:
-      return LoadAsF32<DType::kF32>(base, i);
-  }
+  return WithDType(d, [&](auto k) { return LoadAsF32<decltype(k)::value>(base, i); });
 }
 
 inline void StoreRne(DType d, void* base, int64_t i, float x) {

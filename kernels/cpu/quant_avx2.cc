@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/quant.h"
+#include "kernels/cpu/with_dtype.h"
 
 #define TSD_INLINE inline __attribute__((always_inline))
 
@@ -283,40 +284,25 @@ void DequantizeImpl(const uint8_t* codes, const float* absmax, int64_t n, int64_
 template <bool kNf4>
 void DequantizeDispatch(const uint8_t* codes, const float* absmax, int64_t n, int64_t block_size,
                         void* output, DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return DequantizeImpl<DType::kBF16, kNf4>(codes, absmax, n, block_size, output);
-    case DType::kF16:
-      return DequantizeImpl<DType::kF16, kNf4>(codes, absmax, n, block_size, output);
-    default:
-      return DequantizeImpl<DType::kF32, kNf4>(codes, absmax, n, block_size, output);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return DequantizeImpl<decltype(k)::value, kNf4>(codes, absmax, n, block_size, output);
+  });
 }
 
 }  // namespace
 
 void QuantizeNf4Avx2(const void* input, DType dtype, int64_t n, int64_t block_size, uint8_t* codes,
                      float* absmax) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeNf4Impl<DType::kBF16>(input, n, block_size, codes, absmax);
-    case DType::kF16:
-      return QuantizeNf4Impl<DType::kF16>(input, n, block_size, codes, absmax);
-    default:
-      return QuantizeNf4Impl<DType::kF32>(input, n, block_size, codes, absmax);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return QuantizeNf4Impl<decltype(k)::value>(input, n, block_size, codes, absmax);
+  });
 }
 
 void QuantizeInt8Avx2(const void* input, DType dtype, int64_t n, int64_t block_size, uint8_t* codes,
                       float* absmax) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeInt8Impl<DType::kBF16>(input, n, block_size, codes, absmax);
-    case DType::kF16:
-      return QuantizeInt8Impl<DType::kF16>(input, n, block_size, codes, absmax);
-    default:
-      return QuantizeInt8Impl<DType::kF32>(input, n, block_size, codes, absmax);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return QuantizeInt8Impl<decltype(k)::value>(input, n, block_size, codes, absmax);
+  });
 }
 
 void DequantizeNf4Avx2(const uint8_t* codes, const float* absmax, int64_t n, int64_t block_size,

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/quant.h"
+#include "kernels/cpu/with_dtype.h"
 
 #define TSD_INLINE inline __attribute__((always_inline))
 
@@ -202,50 +203,30 @@ void DequantizeInt8Impl(const uint8_t* codes, const float* absmax, int64_t n, in
 
 void QuantizeNf4Avx512(const void* input, DType dtype, int64_t n, int64_t block_size,
                        uint8_t* codes, float* absmax) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeNf4Impl<DType::kBF16>(input, n, block_size, codes, absmax);
-    case DType::kF16:
-      return QuantizeNf4Impl<DType::kF16>(input, n, block_size, codes, absmax);
-    default:
-      return QuantizeNf4Impl<DType::kF32>(input, n, block_size, codes, absmax);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return QuantizeNf4Impl<decltype(k)::value>(input, n, block_size, codes, absmax);
+  });
 }
 
 void QuantizeInt8Avx512(const void* input, DType dtype, int64_t n, int64_t block_size,
                         uint8_t* codes, float* absmax) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeInt8Impl<DType::kBF16>(input, n, block_size, codes, absmax);
-    case DType::kF16:
-      return QuantizeInt8Impl<DType::kF16>(input, n, block_size, codes, absmax);
-    default:
-      return QuantizeInt8Impl<DType::kF32>(input, n, block_size, codes, absmax);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return QuantizeInt8Impl<decltype(k)::value>(input, n, block_size, codes, absmax);
+  });
 }
 
 void DequantizeNf4Avx512(const uint8_t* codes, const float* absmax, int64_t n, int64_t block_size,
                          void* output, DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return DequantizeNf4Impl<DType::kBF16>(codes, absmax, n, block_size, output);
-    case DType::kF16:
-      return DequantizeNf4Impl<DType::kF16>(codes, absmax, n, block_size, output);
-    default:
-      return DequantizeNf4Impl<DType::kF32>(codes, absmax, n, block_size, output);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return DequantizeNf4Impl<decltype(k)::value>(codes, absmax, n, block_size, output);
+  });
 }
 
 void DequantizeInt8Avx512(const uint8_t* codes, const float* absmax, int64_t n, int64_t block_size,
                           void* output, DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return DequantizeInt8Impl<DType::kBF16>(codes, absmax, n, block_size, output);
-    case DType::kF16:
-      return DequantizeInt8Impl<DType::kF16>(codes, absmax, n, block_size, output);
-    default:
-      return DequantizeInt8Impl<DType::kF32>(codes, absmax, n, block_size, output);
-  }
+  return WithDType(dtype, [&](auto k) {
+    return DequantizeInt8Impl<decltype(k)::value>(codes, absmax, n, block_size, output);
+  });
 }
 
 int64_t FindNonFiniteAvx512(const void* input, DType dtype, int64_t n) {
