@@ -204,6 +204,12 @@ def bound_lines(records: list[dict[str, Any]], measured: dict[str, Any],
                    + (f", window {window:.3f} s/step drained ({window / bound:.2f}x)" if window and bound else "")
                    + (f"; PCIe {link:.3f} s, with it the bound is {max(bound, link):.3f} s" if link is not None else "")
                    + few_settled(vals))
+        gap = median([v["tsd_gap_ms"] for v in vals if v.get("tsd_gap_ms") is not None])
+        if gap is not None:  # where tsd's threads had no update under way (tsd_timeline.py)
+            parts = [(name, median([v[f"tsd_gap_{name}_ms"] for v in vals if f"tsd_gap_{name}_ms" in v]))
+                     for name in ("forward", "backward", "step", "between")]
+            out.append(f"    no update under way {gap:.0f} ms/step: "
+                       + ", ".join(f"{name} {ms:.0f}" for name, ms in parts if ms is not None))
     return out
 
 

@@ -472,6 +472,11 @@ def test_the_pcie_term_is_the_steps_copies_at_the_measured_bandwidths():
     printed["values"]["host_bytes_per_param"] = 32
     line = fb.bound_lines([stream_rec, link, printed], stream_rec["values"], link["values"])[1]
     assert "PCIe 1.600 s, with it the bound is 1.600 s" in line, line
+    # Where no update was under way (tsd_timeline.py), on a line of its own under the mode's.
+    printed["values"].update(tsd_gap_ms=85.0, tsd_gap_forward_ms=30.0, tsd_gap_backward_ms=40.0,
+                             tsd_gap_step_ms=10.0, tsd_gap_between_ms=5.0)
+    lines = fb.bound_lines([stream_rec, link, printed], stream_rec["values"], link["values"])
+    assert lines[2] == "    no update under way 85 ms/step: forward 30, backward 40, step 10, between 5", lines
     with pytest.raises(ValueError, match="h2d_gbs must be > 0"):
         stream.pcie_s(1.0, 1.0, {"h2d_gbs": 0, "d2h_gbs": 1, "both_gbs": 1})
 
