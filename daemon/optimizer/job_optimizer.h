@@ -187,8 +187,7 @@ class JobOptimizer final {
     std::atomic<bool> speculating{false};
     std::vector<double> norm_partial;
     std::atomic<int64_t> norm_remaining{0};
-    // Dispatcher: a member of the running commit not applied yet; its norm from norm_partial.
-    bool in_commit = false;
+    // Dispatcher: a member of the running commit whose norm comes from norm_partial.
     bool norm_by_commit = false;
     int64_t steps = 0;
     uint64_t sr_seed = 0;
@@ -208,6 +207,9 @@ class JobOptimizer final {
     kernels::DType dtype = kernels::DType::kF32;
   };
   static FinalGrad FinalGradOf(const BucketRun& run, bool from_accum);
+  // The sum of squares of elements [begin, begin + n) of a final gradient (one chunk's part of the
+  // norm; every pass that sums a bucket uses it, so the parts are the same bit for bit).
+  double ChunkSumSquares(const FinalGrad& g, int64_t begin, int64_t n) const;
   // Clipping: sums the squares of the bucket's final gradient (its grad slot, or the accumulator)
   // on the pool, then holds the bucket until the commit.
   void HoldForCommit(size_t b, bool from_accum);

@@ -36,6 +36,11 @@ double SumOf(const std::vector<double>& partial) {
 
 }  // namespace
 
+double JobOptimizer::ChunkSumSquares(const FinalGrad& g, int64_t begin, int64_t n) const {
+  return kernels::SumSquares(static_cast<const char*>(g.data) + begin * kernels::DTypeSize(g.dtype),
+                             g.dtype, n, isa_);
+}
+
 void JobOptimizer::HoldForCommit(size_t b, bool from_accum) {
   BucketRun& run = *runs_[b];
   run.held_from_accum = from_accum;
@@ -44,9 +49,7 @@ void JobOptimizer::HoldForCommit(size_t b, bool from_accum) {
   RunChunked(
       b,
       [this, run = &run, g](int64_t begin, int64_t n, size_t chunk) {
-        run->partial[chunk] = kernels::SumSquares(
-            static_cast<const char*>(g.data) + begin * kernels::DTypeSize(g.dtype), g.dtype, n,
-            isa_);
+        run->partial[chunk] = ChunkSumSquares(g, begin, n);
       },
       [this, run = &run] { Held(*run); });
 }
@@ -78,7 +81,6 @@ void JobOptimizer::MaybeApplyCommit() {
   commit_decided_ = false;
   commit_speculated_ = commit_redone_ = false;
   commit_hyper_.assign(plan_.groups.size(), std::nullopt);
-  for (auto& run : runs_) run->in_commit = run->norm_by_commit = false;
   // In the order the next forward uses the buckets (the client's `order`, a sort key only).
   std::stable_sort(members.begin(), members.end(),
                    [this](size_t a, size_t b) { return Priority(a) < Priority(b); });
@@ -87,7 +89,7 @@ void JobOptimizer::MaybeApplyCommit() {
   norm_left_.store(0, std::memory_order_relaxed);
   for (size_t b : members) {
     BucketRun& run = *runs_[b];
-    run.in_commit = true;
+    run.norm_by_commit = false;
     // busy only goes from true to false meanwhile (the dispatcher alone sets it): a bucket that
     // is still busy is speculating, and its sum of squares is not known yet.
     if (run.busy.load(std::memory_order_acquire)) SumSquaresForCommit(b);
@@ -106,9 +108,7 @@ void JobOptimizer::SumSquaresForCommit(size_t b) {
   RunChunkedOn(
       run.plan.numel, run.norm_remaining, kCommitNormPriority,
       [this, run = &run, g](int64_t begin, int64_t n, size_t chunk) {
-        run->norm_partial[chunk] = kernels::SumSquares(
-            static_cast<const char*>(g.data) + begin * kernels::DTypeSize(g.dtype), g.dtype, n,
-            isa_);
+        run->norm_partial[chunk] = ChunkSumSquares(g, begin, n);
       },
       [this] {
         if (norm_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) Kick();
@@ -119,9 +119,12 @@ void JobOptimizer::AdvanceCommit() {
   if (!commit_decided_) {
     if (norm_left_.load(std::memory_order_acquire) != 0) return;  // its last pass wakes us
     // The sum in bucket order, as torch adds its gradients' norms; each bucket's from its chunks.
+    std::vector<size_t> by_index = commit_members_;  // none is applied before the norm is known
+    std::sort(by_index.begin(), by_index.end());
     double total = 0;
-    for (const auto& run : runs_) {
-      if (run->in_commit) total += run->norm_by_commit ? SumOf(run->norm_partial) : run->sumsq;
+    for (size_t b : by_index) {
+      const BucketRun& run = *runs_[b];
+      total += run.norm_by_commit ? SumOf(run.norm_partial) : run.sumsq;
     }
     // torch.nn.utils.clip_grad_norm_: coef = max_norm / (total_norm + 1e-6), clamped to 1, fp32.
     const float norm = static_cast<float>(std::sqrt(total));
@@ -164,7 +167,6 @@ void JobOptimizer::AdvanceCommit() {
 void JobOptimizer::ApplyCommitTo(size_t b) {
   BucketRun& run = *runs_[b];
   run.held = false;
-  run.in_commit = false;
   run.busy.store(true, std::memory_order_relaxed);
   const FinalGrad g = FinalGradOf(run, run.held_from_accum);
   auto after = [this, b, target = commit_target_] {
@@ -230,7 +232,7 @@ void JobOptimizer::SpeculateBucket(size_t b, bool from_accum) {
         const kernels::AdamWTensors t = Tensors(*run, g.data, g.dtype, begin, n);
         // The squares first, in the same pass (the chunk is still in cache for the update): a
         // non-finite chunk is not applied, so its commit never has to undo an Inf or a NaN.
-        const double sumsq = kernels::SumSquares(t.grad, g.dtype, n, isa_);
+        const double sumsq = ChunkSumSquares(g, begin, n);
         run->partial[chunk] = sumsq;
         if (std::isfinite(sumsq)) {
           kernels::AdamWStep(t, hyper, isa_);
