@@ -165,6 +165,20 @@ absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd,
   return reply.first.state().bytes();
 }
 
+absl::StatusOr<std::pair<uint64_t, uint32_t>> Client::RetireRequest(
+    absl::Span<const uint32_t> buckets) {
+  MutexLock lock(impl_->mu);
+  if (!impl_->attached) return impl_->NotAttached();
+  v1::SideRequest req;
+  req.mutable_retire_buckets()->mutable_buckets()->Add(buckets.begin(), buckets.end());
+  // Punching many GiB out of the regions takes a while: the state requests' timeout.
+  TSD_ASSIGN_OR_RETURN(auto reply, impl_->Call(std::move(req), -1,
+                                               std::max(impl_->request_timeout, kMinStateTimeout),
+                                               "retire_buckets"));
+  if (reply.second >= 0) close(reply.second);
+  return std::make_pair(reply.first.retire().released_bytes(), reply.first.retire().retired());
+}
+
 absl::StatusOr<std::unique_ptr<Optimizer>> Client::ResumeOptimizer(const OptimizerSpec& spec,
                                                                    ResumeReport* report) {
   return Register(spec, /*resume=*/true, report);

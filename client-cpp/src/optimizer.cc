@@ -297,4 +297,9 @@ absl::StatusOr<uint64_t> Optimizer::SaveState(int fd, absl::Span<const uint32_t>
 }
 absl::StatusOr<uint64_t> Optimizer::LoadState(int fd) { return client_->StateRequest(false, fd); }
 
+absl::StatusOr<Optimizer::Retired> Optimizer::RetireBuckets(absl::Span<const uint32_t> buckets) {
+  TSD_ASSIGN_OR_RETURN(auto reply, client_->RetireRequest(buckets));
+  return Retired{reply.first, reply.second};
+}
+
 }  // namespace tsd

@@ -876,8 +876,20 @@ PYBIND11_MODULE(_C, m) {
             return Value(h.opt->SaveState(fd, buckets));
           },
           py::arg("fd"), py::arg("buckets") = std::vector<uint32_t>{})
-      .def("load_state", [](OptimizerHandle& h, int fd) {
-        py::gil_scoped_release release;
-        return Value(h.opt->LoadState(fd));
-      });
+      .def("load_state",
+           [](OptimizerHandle& h, int fd) {
+             py::gil_scoped_release release;
+             return Value(h.opt->LoadState(fd));
+           })
+      .def(
+          "retire_buckets",
+          [](OptimizerHandle& h, const std::vector<uint32_t>& buckets) {
+            tsd::Optimizer::Retired r;
+            {
+              py::gil_scoped_release release;
+              r = Value(h.opt->RetireBuckets(buckets));
+            }
+            return py::make_tuple(r.released_bytes, r.retired);
+          },
+          py::arg("buckets"));
 }

@@ -157,6 +157,7 @@ class Session:
         self.auto_share: Any = None
         self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward
         self.moved: set[int] = set()
+        self.retired_bytes = 0  # host memory tsd returned to its pool when the moved buckets retired
         self.norm_slot: Any = None
         # distributed=: the rank's distributed.DataParallel; gradients then stay in p.grad until
         # step(), whose reduction and delivery it does (finish_step hands over to it).

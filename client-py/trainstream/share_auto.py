@@ -14,8 +14,10 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
 - the moved parameters' masters, moments and step counts come from a snapshot of just their
   buckets (the daemon's save_state with a bucket list), so the
   run goes on exactly (torch's AdamW from then on for them: within 1e-6 of tsd's, not bitwise);
-  tsd stops receiving their gradients (their slots stay allocated and unused: the registration is
-  fixed), and the share's gradient norm joins tsd's commit through the norm bucket wrap()
+  tsd stops receiving their gradients and retires their buckets (the daemon's retire_buckets:
+  it refuses their deliveries from then on and returns their moments' and accumulator's pages
+  to the pool; their masters, gradient and parameter slots stay, mapped and pinned by this
+  process), and the share's gradient norm joins tsd's commit through the norm bucket wrap()
   registered for this;
 - when every parameter fits, it is `offload="auto"`'s switch (`optim.switch_to_device`): the job's
   memory in tsd is released;
@@ -128,3 +130,8 @@ def move(opt: "TsdAdamW", ids: frozenset[int]) -> None:
         s.share.by_param[id(ps.param)].orig_dtype = ps.orig_dtype  # unwrap() gives that back
     s.share.hook_gradients()
     opt._share_state()
+    # tsd takes no more gradients for them: it gives their moments' memory back to the pool.
+    released, _ = s.handle.retire_buckets(sorted(ps.bucket for ps in moving))
+    s.retired_bytes += int(released)
+    s.events.append(f"optimizer_gpu_fraction=auto: tsd retired the {len(moving)} moved buckets and returned "
+                    f"{format_bytes(int(released))} of host memory (their moments and accumulator) to the pool")

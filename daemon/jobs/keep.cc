@@ -72,6 +72,13 @@ absl::StatusOr<std::shared_ptr<JobOptimizer>> Registry::TakeOverOptimizer(
         absl::StrCat("job '", job.name, "''s optimizer was stopped (", job.optimizer->failure(),
                      "); it cannot be resumed: start the job afresh under another name"));
   }
+  if (const size_t gone = job.optimizer->retired(); gone > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job.name, "''s kept optimizer retired ", gone,
+        " buckets to its trainer's GPU share, whose state died with the trainer; it cannot be "
+        "resumed: start the job afresh under another name (resume takes "
+        "optimizer_gpu_fraction=0)"));
+  }
   if (job.optimizer_session != 0 && job.optimizer_session != session_id &&
       sessions_.count(job.optimizer_session) != 0) {
     return absl::FailedPreconditionError(

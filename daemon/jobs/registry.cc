@@ -254,10 +254,10 @@ absl::StatusOr<uint64_t> Registry::Free(uint64_t session_id, uint64_t region_id)
                                               " regions; see ListRegions)"));
     }
     TSD_RETURN_IF_ERROR(
-        ledger_->Uncharge(Holder::Job(job.name), it->second->name(), it->second->bytes()));
+        ledger_->Uncharge(Holder::Job(job.name), it->second->name(), it->second->held_bytes()));
     dead = std::move(it->second);
     job.regions.erase(it);
-    freed = dead->bytes();
+    freed = dead->held_bytes();
     job.names.erase(dead->name());
   }
   return freed;
@@ -504,12 +504,12 @@ uint64_t Registry::ReleaseRegions(const JobRef& ref, const std::vector<uint64_t>
     auto r = job.regions.find(id);
     if (r == job.regions.end()) continue;
     if (absl::Status s =
-            ledger_->Uncharge(Holder::Job(job.name), r->second->name(), r->second->bytes());
+            ledger_->Uncharge(Holder::Job(job.name), r->second->name(), r->second->held_bytes());
         !s.ok()) {
       spdlog::error("event=ledger_mismatch job={} region={} error=\"{}\"", job.name,
                     r->second->name(), std::string(s.message()));
     }
-    freed += r->second->bytes();
+    freed += r->second->held_bytes();
     job.names.erase(r->second->name());
     dead.push_back(std::move(r->second));
     job.regions.erase(r);
@@ -600,7 +600,7 @@ Registry::MetricsView Registry::View() const {
   v.max_job_quota_bytes = options_.max_job_quota_bytes;
   for (const auto& [name, job] : jobs_) {
     for (const auto& [id, region] : job.regions)
-      v.locked_bytes += region->locked() ? region->bytes() : 0;
+      v.locked_bytes += region->locked() ? region->held_bytes() : 0;
     v.jobs.push_back(DescribeJob(name, job));
   }
   return v;

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/memory/ledger.h"
 #include "daemon/memory/numa_topology.h"
 #include "daemon/memory/region.h"
@@ -201,6 +202,16 @@ class Registry final {
   absl::StatusOr<std::shared_ptr<JobOptimizer>> OptimizerForCheckpoint(const std::string& job,
                                                                        uid_t uid);
   // --- end of kept jobs --------------------------------------------------------------------------
+  // Retires buckets of the session's optimizer (JobOptimizer::RetireBuckets: their optimizer
+  // moved to the trainer's GPU share) and lowers the job's charge by the memory that returned to
+  // the kernel (daemon/jobs/retire.cc). Returns the bytes released. The punching runs without
+  // the Registry's lock (it can take a while for many GiB).
+  struct Retired {
+    uint64_t released_bytes = 0;
+    uint32_t retired = 0;  // the optimizer's retired buckets, these included
+  };
+  absl::StatusOr<Retired> RetireBuckets(uint64_t session_id, absl::Span<const uint32_t> buckets)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The job of a session (NOT_FOUND when the session has ended).
   absl::StatusOr<JobRef> SessionJob(uint64_t session_id);
   // The optimizer of a session's job (NOT_FOUND when there is none).

@@ -5,8 +5,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/memory/numa_memory.h"
@@ -69,6 +71,44 @@ absl::StatusOr<std::unique_ptr<Region>> Region::Create(uint64_t id, std::string 
     r->locked_ = true;
   }
   return r;
+}
+
+absl::StatusOr<uint64_t> Region::Release(uint64_t offset, uint64_t bytes) {
+  if (offset > bytes_ || bytes > bytes_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("release of [", offset, ", +", bytes,
+                                                   ") passes region '", name_, "' (", bytes_,
+                                                   " bytes)"));
+  }
+  // Whole pages only: a page shared with memory still in use stays.
+  const uint64_t page = wire::kPageBytes;
+  const uint64_t begin = (offset + page - 1) / page * page;
+  const uint64_t end = (offset + bytes) / page * page;
+  if (end <= begin) return 0;
+  if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(begin),
+                static_cast<off_t>(end - begin)) != 0) {
+    return absl::InternalError(absl::StrCat("punching [", begin, ", ", end, ") out of region '",
+                                            name_, "' failed: ", std::strerror(errno)));
+  }
+  MutexLock lock(mu_);
+  // Merge [begin, end) into the released ranges, counting only what none of them covered.
+  uint64_t lo = begin, hi = end, covered = 0;
+  auto it = released_.upper_bound(begin);
+  if (it != released_.begin() && std::prev(it)->second >= begin) --it;
+  while (it != released_.end() && it->first <= end) {
+    covered += std::min(it->second, end) - std::max(it->first, begin);
+    lo = std::min(lo, it->first);
+    hi = std::max(hi, it->second);
+    it = released_.erase(it);
+  }
+  released_.emplace(lo, hi);
+  const uint64_t fresh = (end - begin) - covered;
+  released_bytes_ += fresh;
+  return fresh;
+}
+
+uint64_t Region::released_bytes() const {
+  MutexLock lock(mu_);
+  return released_bytes_;
 }
 
 Region::~Region() {

@@ -5,14 +5,19 @@
 // reuses a memfd: on destruction the pages are punched out of it (returned to the kernel, which
 // zero-fills any page before giving it out again), even if a client still maps the descriptor.
 // A region may be placed on a NUMA node (daemon/memory/numa_memory.h): its pages are then
-// allocated there while the node has room.
+// allocated there while the node has room. Parts of it may be released early (Release: the
+// daemon's optimizer giving back the state of buckets that moved out of it); the region keeps its
+// size, and what it still holds is bytes() less released_bytes().
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "proto/mutex.h"
 
 namespace tsd {
 
@@ -39,6 +44,16 @@ class Region final {
   int numa_node() const { return numa_node_; }
   const std::string& numa_error() const { return numa_error_; }
 
+  // Returns the whole pages inside [offset, offset + bytes) to the kernel: a hole punched in the
+  // memfd, so they leave every mapping at once (a client mapping that touches them again gets
+  // fresh zero pages, charged to itself; the daemon must not touch them again). Returns the bytes
+  // newly released: pages released before count once. INVALID_ARGUMENT past the region's end.
+  absl::StatusOr<uint64_t> Release(uint64_t offset, uint64_t bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // The bytes released so far (a multiple of the page size).
+  uint64_t released_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+  // What the region still holds: bytes() less released_bytes() (what its ledger charge is).
+  uint64_t held_bytes() const { return bytes_ - released_bytes(); }
+
  private:
   Region(uint64_t id, std::string name, uint64_t bytes)
       : id_(id), name_(std::move(name)), bytes_(bytes) {}
@@ -51,6 +66,10 @@ class Region final {
   bool locked_ = false;
   int numa_node_ = -1;
   std::string numa_error_;
+  mutable Mutex mu_;
+  // The released page ranges, [begin, end) by begin, merged.
+  std::map<uint64_t, uint64_t> released_ ABSL_GUARDED_BY(mu_);
+  uint64_t released_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace tsd

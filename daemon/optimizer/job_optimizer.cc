@@ -356,6 +356,12 @@ bool JobOptimizer::ReadCommit(uint64_t* commit) {
 
 bool JobOptimizer::TakeDelivery(size_t b, uint64_t ready) {
   BucketRun& run = *runs_[b];
+  if (run.retired) {
+    Fail(absl::StrCat("control page: bucket ", b,
+                      " was retired (its optimizer moved to the trainer's GPU share), but a "
+                      "gradient was delivered for it"));
+    return false;
+  }
   const uint32_t flags = page_.buckets[b].flags.load(std::memory_order_acquire);
   if ((flags & ~wire::kDeliveryKnownFlags) != 0) {
     Fail(absl::StrCat("control page: bucket ", b, " has unknown flag bits 0x", absl::Hex(flags)));

@@ -151,6 +151,26 @@ class JobOptimizer final {
   // the words for a data-parallel rank joining a live optimizer rather than a resume.
   static absl::Status CheckSameLayout(const OptimizerPlan& kept, const OptimizerPlan& asked,
                                       bool join = false);
+  // --- The trainer's GPU share (job_optimizer_retire.cc) ---
+  // What RetireBuckets released in one region: the region's name (its ledger label) and the
+  // bytes newly returned to the kernel.
+  struct Released {
+    std::string region;
+    uint64_t bytes = 0;
+  };
+  // Retires buckets whose optimizer moved to the trainer (the GPU share): a delivery for one
+  // fails the optimizer from now on, SaveState leaves them out (a full save is then a partial
+  // file) and LoadState checks their entries but loads nothing into them, and the whole pages of
+  // their moments and accumulator (memory only the daemon maps) go back to the kernel. Their
+  // masters, gradient and parameter slots stay (the trainer maps and pins them). `buckets`:
+  // strictly ascending, existing indices, each idle (nothing in flight or held); already retired
+  // ones are skipped. FAILED_PRECONDITION under data parallel or after a failure; nothing changes
+  // when anything is refused.
+  absl::StatusOr<std::vector<Released>> RetireBuckets(absl::Span<const uint32_t> buckets)
+      ABSL_LOCKS_EXCLUDED(state_mu_);
+  // How many buckets are retired.
+  size_t retired() const { return retired_count_.load(std::memory_order_acquire); }
+
   // What the optimizer is doing: its StepStats and the client's report on the control page
   // (job_activity.cc). Any thread.
   void DescribeActivity(v1::JobActivity& out) const;
@@ -189,6 +209,8 @@ class JobOptimizer final {
     std::atomic<int64_t> norm_remaining{0};
     // Dispatcher: a member of the running commit whose norm comes from norm_partial.
     bool norm_by_commit = false;
+    // Under state_mu_: its optimizer moved out of tsd (RetireBuckets); its state pages are gone.
+    bool retired = false;
     int64_t steps = 0;
     uint64_t sr_seed = 0;
     std::chrono::steady_clock::time_point started;  // when the update in flight was dispatched
@@ -318,6 +340,8 @@ class JobOptimizer final {
   // Nanoseconds the pool's threads (and the dispatcher, for small buckets) spent in this job's
   // bucket work (JobActivity.work_busy_s).
   std::atomic<uint64_t> work_busy_ns_{0};
+  // Buckets retired (RetireBuckets); each run's `retired` says which.
+  std::atomic<size_t> retired_count_{0};
 
   std::atomic<bool> stop_{false};
   std::atomic<bool> failed_{false};

@@ -174,16 +174,27 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd, absl::Span<const uint32
                        " follows ", buckets[i - 1], ")"));
     }
   }
-  std::vector<size_t> chosen;
-  if (buckets.empty()) {
-    for (size_t b = 0; b < runs_.size(); ++b) chosen.push_back(b);
-  } else {
-    chosen.assign(buckets.begin(), buckets.end());
-  }
   MutexLock lock(state_mu_);
   if (!Idle()) {
     return absl::FailedPreconditionError(
         "the optimizer has deliveries in flight; save between steps (wait for every bucket first)");
+  }
+  // A whole save leaves retired buckets out (their state lives in the trainer's GPU share) and
+  // says so: the file is then partial.
+  std::vector<size_t> chosen;
+  for (const uint32_t b : buckets) {
+    if (runs_[b]->retired) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("save_state: bucket ", b,
+                       " was retired (its optimizer moved to the trainer's GPU share); tsd has no "
+                       "state for it"));
+    }
+    chosen.push_back(b);
+  }
+  if (buckets.empty()) {
+    for (size_t b = 0; b < runs_.size(); ++b) {
+      if (!runs_[b]->retired) chosen.push_back(b);
+    }
   }
   const size_t msize = kernels::DTypeSize(plan_.moment_dtype);
   std::vector<Entry> entries;
@@ -214,7 +225,8 @@ absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd, absl::Span<const uint32
                             {"moment_dtype", SafetensorsDType(plan_.moment_dtype)},
                             {"committed", std::to_string(committed_local_)},
                             {kChecksumKey, checksums}};
-  if (!buckets.empty()) header["__metadata__"][kPartialKey] = std::to_string(chosen.size());
+  if (chosen.size() != runs_.size())
+    header["__metadata__"][kPartialKey] = std::to_string(chosen.size());
   uint64_t offset = 0;
   for (const auto& e : entries) {
     header[e.name] = {
@@ -330,7 +342,10 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
                                                        begin, ", ", end, ") that do not fit ",
                                                        e.bytes, " bytes in the file"));
       }
-      sources.push_back({data_start + begin, e.bytes, e.data, e.name});
+      // A retired bucket's entries are checked like any (the file is a whole state of this
+      // layout) but not loaded: its state lives in the trainer's GPU share, and its moments'
+      // pages are gone.
+      if (!r.retired) sources.push_back({data_start + begin, e.bytes, e.data, e.name});
     }
   }
   if (header.size() != expected_entries) {
@@ -380,6 +395,7 @@ absl::StatusOr<uint64_t> JobOptimizer::LoadState(int fd) {
     at += s.bytes;
   }
   for (size_t b = 0; b < runs_.size(); ++b) {
+    if (runs_[b]->retired) continue;
     runs_[b]->steps = steps[b];
     page_.buckets[b].steps.store(static_cast<uint32_t>(steps[b]), std::memory_order_relaxed);
   }

@@ -57,6 +57,8 @@ const char* KindName(const v1::SideRequest& r) {
       return "checkpoint";
     case v1::SideRequest::kListStores:
       return "list_stores";
+    case v1::SideRequest::kRetireBuckets:
+      return "retire_buckets";
     case v1::SideRequest::KIND_NOT_SET:
       break;
   }
@@ -134,9 +136,9 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     SetError(out.reply, absl::InvalidArgumentError(absl::StrCat(
                             "side request ", request.request_id(),
                             " names no request (attach, alloc, free, list_regions, get_fd, "
-                            "detach, register_optimizer, save_state, load_state, store_file, "
-                            "open_store, close_store, open_device_store, list_stores or "
-                            "checkpoint)")));
+                            "detach, register_optimizer, save_state, load_state, "
+                            "retire_buckets, store_file, open_store, close_store, "
+                            "open_device_store, list_stores or checkpoint)")));
     out.close = caller.session_id == 0;
     out.close_reason = "empty_request";
     return out;
@@ -241,6 +243,17 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
         SetError(out.reply, moved.status());
       } else {
         out.reply.mutable_state()->set_bytes(*moved);
+      }
+      break;
+    }
+    case v1::SideRequest::kRetireBuckets: {
+      const auto& list = request.retire_buckets().buckets();
+      auto retired = registry_.RetireBuckets(sid, absl::MakeConstSpan(list.data(), list.size()));
+      if (!retired.ok()) {
+        SetError(out.reply, retired.status());
+      } else {
+        out.reply.mutable_retire()->set_released_bytes(retired->released_bytes);
+        out.reply.mutable_retire()->set_retired(retired->retired);
       }
       break;
     }

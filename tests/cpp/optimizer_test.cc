@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "adamw_reference.h"
+#include "attached_optimizer.h"
 #include "daemon_process.h"
 #include "proto/control_page.h"
 #include "tsd/client.h"
@@ -29,22 +30,6 @@ namespace tsd::testing {
 namespace {
 
 using ::testing::HasSubstr;
-
-struct Setup {
-  std::unique_ptr<tsd::Client> client;
-  std::unique_ptr<Optimizer> opt;
-};
-
-Setup Attach(DaemonProcess& d, const std::string& job, const OptimizerSpec& spec,
-             uint64_t quota = 0) {
-  Setup s;
-  s.client = d.Connect();
-  EXPECT_TRUE(s.client->Attach(job, quota).ok());
-  auto opt = s.client->RegisterOptimizer(spec);
-  EXPECT_TRUE(opt.ok()) << opt.status();
-  if (opt.ok()) s.opt = std::move(*opt);
-  return s;
-}
 
 // 20 steps, two groups (one without weight decay), lr changing every step, 2 micro-steps of
 // accumulation, clipping by a global norm that bites, buckets large enough to be split across
@@ -56,7 +41,7 @@ TEST(Optimizer, TwentyStepsMatchTorchAdamW) {
   const std::vector<uint64_t>& sizes = layout.sizes;
   const std::vector<uint32_t>& group_of = layout.group_of;
   const OptimizerSpec& spec = layout.spec;
-  auto s = Attach(*d, "adamw-ref", spec);
+  auto s = AttachOptimizer(*d, "adamw-ref", spec);
   ASSERT_TRUE(s.opt);
   std::mt19937 rng(7);
   std::vector<RefParam> ref = RandomRef(sizes, rng);
@@ -103,7 +88,7 @@ TEST(Optimizer, Bf16SlotsAndNoClipOverlapPath) {
   OptimizerSpec spec;
   spec.groups = {{.lr = 1e-2, .weight_decay = 0.01}};
   spec.buckets = {{0, 500000, DType::kBF16, DType::kBF16}, {0, 17, DType::kF16, DType::kF16}};
-  auto s = Attach(*d, "bf16", spec);
+  auto s = AttachOptimizer(*d, "bf16", spec);
   ASSERT_TRUE(s.opt);
   std::mt19937 rng(3);
   std::vector<RefParam> ref(2);
@@ -173,8 +158,8 @@ TEST(Optimizer, ForwardOrderSetsTheUpdateOrderAndChangesNoResult) {
   spec.groups = {{.lr = 1e-3}};
   for (int b = 0; b < 6; ++b) spec.buckets.push_back({0, 300000, DType::kF32, DType::kF32});
   spec.max_grad_norm = 0.5;  // bites: every update waits for the commit
-  auto ordered = Attach(*d, "ordered", spec);
-  auto plain = Attach(*d, "plain", spec);
+  auto ordered = AttachOptimizer(*d, "ordered", spec);
+  auto plain = AttachOptimizer(*d, "plain", spec);
   ASSERT_TRUE(ordered.opt && plain.opt);
   EXPECT_THAT(ordered.opt->SetOrder({0, 6}).message(), HasSubstr("bucket 6"));
   EXPECT_THAT(ordered.opt->SetOrder({1, 1}).message(), HasSubstr("twice"));
@@ -214,15 +199,15 @@ TEST(Optimizer, TwoJobsSteppingAtOnceEqualEachAlone) {
   small.buckets = {{0, 40000, DType::kF32, DType::kF32}};
   std::vector<float> big_alone, small_alone, big_both, small_both;
   {
-    auto a = Attach(*d, "big", big);
+    auto a = AttachOptimizer(*d, "big", big);
     big_alone = RunWorkload(*a.opt, 1, 10);
   }
   {
-    auto b = Attach(*d, "small", small);
+    auto b = AttachOptimizer(*d, "small", small);
     small_alone = RunWorkload(*b.opt, 2, 10);
   }
-  auto a = Attach(*d, "big2", big);
-  auto b = Attach(*d, "small2", small);
+  auto a = AttachOptimizer(*d, "big2", big);
+  auto b = AttachOptimizer(*d, "small2", small);
   std::thread ta([&] { big_both = RunWorkload(*a.opt, 1, 10); });
   std::thread tb([&] { small_both = RunWorkload(*b.opt, 2, 10); });
   ta.join();
@@ -248,7 +233,7 @@ TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
       ASSERT_TRUE(opt.WaitAll().ok());
     }
   };
-  auto a = Attach(*d, "uninterrupted", spec);
+  auto a = AttachOptimizer(*d, "uninterrupted", spec);
   std::mt19937 rng(11);
   for (size_t b = 0; b < 2; ++b) {
     auto p = RandomVec(a.opt->numel(b), rng, 1.0f);
@@ -262,7 +247,7 @@ TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
   std::mt19937 rng_resume = rng;
   run(*a.opt, rng, 5);
   // A fresh job loads the state and runs the same last 5 steps.
-  auto b = Attach(*d, "resumed", spec);
+  auto b = AttachOptimizer(*d, "resumed", spec);
   auto loaded = b.opt->LoadState(file);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(*loaded, *saved);
@@ -286,7 +271,7 @@ TEST(Optimizer, StateSavedAndLoadedResumesBitExactly) {
   const std::vector<float> before(b.opt->master(1), b.opt->master(1) + 1000);
   OptimizerSpec other = spec;
   other.buckets[1].numel = 999;
-  auto c = Attach(*d, "other-layout", other);
+  auto c = AttachOptimizer(*d, "other-layout", other);
   auto refused = c.opt->LoadState(fa);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("b1.master"));
@@ -312,7 +297,7 @@ TEST(Optimizer, PartialStateHoldsTheChosenBucketsAndIsNotLoadable) {
   spec.buckets = {{0, 5000, DType::kF32, DType::kF32},
                   {0, 300, DType::kF32, DType::kF32},
                   {0, 7000, DType::kF32, DType::kF32}};
-  auto a = Attach(*d, "partial", spec);
+  auto a = AttachOptimizer(*d, "partial", spec);
   std::mt19937 rng(3);
   for (int s = 0; s < 2; ++s) {
     for (size_t b = 0; b < 3; ++b) {
@@ -404,7 +389,7 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
   OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 1000, DType::kF32, DType::kF32}, {0, 1000, DType::kF32, DType::kF32}};
-  auto bystander = Attach(*d, "bystander", spec);
+  auto bystander = AttachOptimizer(*d, "bystander", spec);
   ASSERT_TRUE(bystander.opt);
   struct Case {
     const char* what;
@@ -438,7 +423,7 @@ TEST(Optimizer, GarbageOnTheControlPageClosesTheSessionNotTheDaemon) {
       {"bad commit", [](wire::ControlView v) { v.header->commit.store(7); }, "commit counter"},
   };
   for (const auto& tc : cases) {
-    auto victim = Attach(*d, std::string("victim-") + std::to_string(&tc - cases), spec);
+    auto victim = AttachOptimizer(*d, std::string("victim-") + std::to_string(&tc - cases), spec);
     ASSERT_TRUE(victim.opt) << tc.what;
     auto page = victim.client->Map("opt/control");
     ASSERT_TRUE(page.ok());
@@ -489,7 +474,7 @@ TEST(Optimizer, EveryCallAfterSessionClosedRaisesTheSameReason) {
   OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 1000, DType::kF32, DType::kF32}};
-  auto victim = Attach(*d, "closed-victim", spec);
+  auto victim = AttachOptimizer(*d, "closed-victim", spec);
   ASSERT_TRUE(victim.opt);
   {
     auto page = victim.client->Map("opt/control");
@@ -529,7 +514,7 @@ TEST(Optimizer, BadHyperparametersAreRefusedBeforeThePage) {
   OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 100, DType::kF32, DType::kF32}};
-  auto s = Attach(*d, "hyper", spec);
+  auto s = AttachOptimizer(*d, "hyper", spec);
   ASSERT_TRUE(s.opt);
   ASSERT_TRUE(s.opt->SetGroup(0, {.lr = 0.5}).ok());
   const double inf = std::numeric_limits<double>::infinity();
@@ -587,7 +572,7 @@ TEST(Optimizer, StateFileWithNonStringFieldsIsRefusedNotFatal) {
   OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
-  auto s = Attach(*d, "state-poison", spec);
+  auto s = AttachOptimizer(*d, "state-poison", spec);
   ASSERT_TRUE(s.opt);
   const std::string good_meta = R"("__metadata__":{"format":"tsd.optimizer.v1"})";
   const std::string headers[] = {
@@ -620,7 +605,7 @@ TEST(Optimizer, StateFileHeadersAreBoundedBeforeTheyAreParsed) {
   OptimizerSpec spec;
   spec.groups = {{}};
   spec.buckets = {{0, 3, DType::kF32, DType::kF32}};
-  auto s = Attach(*d, "state-bound", spec);
+  auto s = AttachOptimizer(*d, "state-bound", spec);
   ASSERT_TRUE(s.opt);
   const uint64_t before = d->PeakRssKib();
   constexpr size_t kBytes = 32 << 20;

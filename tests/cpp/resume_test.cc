@@ -223,6 +223,32 @@ TEST_F(ResumeTest, AMismatchedRegistrationIsRefusedNamingTheDifference) {
   EXPECT_EQ(registry_->Snapshot().used_bytes, used);
 }
 
+TEST_F(ResumeTest, RetiredBucketsMakeAKeptJobUnresumable) {
+  const uint64_t s = StartKeptJob();
+  ASSERT_TRUE(Registrar(*registry_).Register(s, request_).ok());
+  // Another session of the job (same uid) may not retire the trainer's buckets.
+  auto second = Attach(kOwner, {});
+  ASSERT_TRUE(second.ok()) << second.status();
+  const std::vector<uint32_t> two = {2};
+  auto other = registry_->RetireBuckets(second->session_id, two);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("only the session that registered"));
+  auto retired = registry_->RetireBuckets(s, two);
+  ASSERT_TRUE(retired.ok()) << retired.status();
+  EXPECT_EQ(retired->retired, 1u);
+  registry_->SessionDisconnected(second->session_id);
+  registry_->SessionDisconnected(s);
+  // The share's state died with the trainer: the kept optimizer cannot be resumed.
+  auto resumed = Attach(kOwner, {.resume = true});
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  v1::RegisterOptimizerRequest req = request_;
+  req.set_resume(true);
+  auto r = Registrar(*registry_).Register(resumed->session_id, req);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("retired 1 buckets"));
+}
+
 TEST_F(ResumeTest, WorkInFlightIsFinishedAndHeldDeliveriesAreRolledBack) {
   // Without clipping a delivery rung before the death is completed; with clipping the held final
   // deliveries of an uncommitted step are dropped.

@@ -24,27 +24,13 @@
 #include <gtest/gtest.h>
 
 #include "adamw_reference.h"
+#include "attached_optimizer.h"
 #include "daemon_process.h"
 #include "tsd/client.h"
 #include "tsd/optimizer.h"
 
 namespace tsd::testing {
 namespace {
-
-struct Job {
-  std::unique_ptr<tsd::Client> client;
-  std::unique_ptr<Optimizer> opt;
-};
-
-Job Register(DaemonProcess& d, const std::string& name, const OptimizerSpec& spec) {
-  Job j;
-  j.client = d.Connect();
-  EXPECT_TRUE(j.client->Attach(name, 0).ok());
-  auto opt = j.client->RegisterOptimizer(spec);
-  EXPECT_TRUE(opt.ok()) << opt.status();
-  if (opt.ok()) j.opt = std::move(*opt);
-  return j;
-}
 
 std::vector<std::vector<float>> Masters(const Optimizer& opt) {
   std::vector<std::vector<float>> out;
@@ -91,9 +77,9 @@ TEST_P(Speculation, KeptWhenClippingDoesNotBiteRedoneWhenItDoes) {
   const std::vector<uint64_t>& sizes = layout.sizes;
   const std::vector<uint32_t>& group_of = layout.group_of;
   OptimizerSpec& spec = layout.spec;
-  Job fast = Register(*d, "speculates", spec);
+  AttachedOptimizer fast = AttachOptimizer(*d, "speculates", spec);
   spec.hold_clipped_updates = true;
-  Job held = Register(*d, "holds", spec);
+  AttachedOptimizer held = AttachOptimizer(*d, "holds", spec);
   ASSERT_TRUE(fast.opt && held.opt);
 
   std::mt19937 rng(11);
@@ -212,7 +198,7 @@ TEST(Speculation, FirstBucketPublishedWhileTheLastIsStillSpeculated) {
   spec.groups = {{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1}};
   for (uint64_t n : sizes) spec.buckets.push_back({0, n, DType::kF32, DType::kF32});
   spec.max_grad_norm = 1.0;
-  Job job = Register(*d, "early", spec);
+  AttachedOptimizer job = AttachOptimizer(*d, "early", spec);
   ASSERT_TRUE(job.opt);
   ASSERT_TRUE(job.opt->SetOrder({kA, kB}).ok());
   std::mt19937 rng(5);

@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   }
   spdlog::set_level(spdlog::level::off);
   const std::string root = argv[1];
-  // A whole session: attach, alloc, list, get_fd, free, register, save, load, detach.
+  // A whole session: attach, alloc, list, get_fd, free, register, save, load, retire, detach.
   std::string session = Frame(Attach(1));
   SideRequest r;
   r.set_request_id(2);
@@ -104,6 +104,10 @@ int main(int argc, char** argv) {
   session += Frame(r);
   r.Clear();
   r.set_request_id(9);
+  r.mutable_retire_buckets()->add_buckets(1);
+  session += Frame(r);
+  r.Clear();
+  r.set_request_id(10);
   r.mutable_detach();
   session += Frame(r);
   Write(root + "/fuzz_side_handler", "seed-session", session);

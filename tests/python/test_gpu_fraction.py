@@ -150,9 +150,22 @@ def test_auto_moves_what_fits_after_the_first_step(tsd, all_tsd, accumulation, m
         seen["moved"] = len(s.moved)
         seen["tok"] = id(model.tok.weight) in s.share.by_param
         seen["tsd"] = opt.offloading and all(id(e.param) not in s.by_param for e in s.share.entries)
+        # What the job's regions span less what the pool charges it: what tsd returned.
+        with trainstream.connect(socket=tsd.socket) as c:
+            used = next(j.used_bytes for j in c.jobs() if j.name == job)
+        seen["returned"] = (sum(r.size for r in s.client.regions()) - used, s.retired_bytes)
+    job = f"auto-moves-{accumulation}-{max_grad_norm}-{overlap}"
     mine, b, sd, events, (tensors, numel), norm = tsd_run(
         tsd, 20, accumulation, max_grad_norm, optimizer_gpu_fraction="auto", budget=half_budget(ref),
-        overlap_forward=overlap, after=check)
+        overlap_forward=overlap, after=check, job=job)
+    charged_less, said = seen.pop("returned")
+    # tsd retired the moved buckets: their fp32 moments (8 bytes a parameter) and, with
+    # accumulation, their fp32 accumulator (4 more) went back to the pool, less the partial pages
+    # at the ends of the moved span in each region (they are one span: the last registered).
+    assert sum("tsd retired the" in e and f"the {tensors} moved buckets" in e for e in events) == 1, events
+    per_param = 8 + (4 if accumulation > 1 else 0)
+    regions = 3 if accumulation > 1 else 2
+    assert charged_less == said and numel * per_param - 2 * regions * 4096 <= said <= numel * per_param
     total = total_params(ref)
     print(f"auto acc={accumulation} clip={max_grad_norm} overlap={overlap}: {numel}/{total} moved; "
           f"{[e for e in events if 'after step' in e]}")

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <optional>
@@ -248,6 +249,8 @@ class Client final {
   friend class Optimizer;
   // Sends a state request with `fd` on the side socket; returns the bytes the daemon moved.
   absl::StatusOr<uint64_t> StateRequest(bool save, int fd, absl::Span<const uint32_t> buckets = {});
+  // Optimizer::RetireBuckets: the request and its reply (released bytes, retired count).
+  absl::StatusOr<std::pair<uint64_t, uint32_t>> RetireRequest(absl::Span<const uint32_t> buckets);
   // False once the daemon closed the session's side connection (it died or shut down).
   bool DaemonAlive(std::string* why);
 

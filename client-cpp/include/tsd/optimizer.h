@@ -156,6 +156,15 @@ class Optimizer final {
   // ascending; empty: all), a partial file LoadState refuses.
   absl::StatusOr<uint64_t> SaveState(int fd, absl::Span<const uint32_t> buckets = {});
   absl::StatusOr<uint64_t> LoadState(int fd);
+  // Tells tsd that these buckets' optimizer moved into this process (the GPU share): tsd refuses
+  // their deliveries from now on, leaves them out of SaveState, and returns their moments' and
+  // accumulator's memory to the pool. Strictly ascending indices, each idle (between steps);
+  // already retired ones are skipped. Refused under data parallel.
+  struct Retired {
+    uint64_t released_bytes = 0;  // returned to the pool by this call
+    uint32_t retired = 0;         // buckets retired so far
+  };
+  absl::StatusOr<Retired> RetireBuckets(absl::Span<const uint32_t> buckets);
 
   const std::string& isa() const { return isa_; }
   uint32_t threads() const { return threads_; }
