@@ -63,6 +63,13 @@ absl::Status NoPermission(const std::string& path) {
 
 Region::~Region() { Unmap(); }
 
+void Region::Unpin() {
+  if (data_ != nullptr && cuda_registered_) {
+    cuda_host::Unregister(data_);
+    cuda_registered_ = false;
+  }
+}
+
 void Region::Unmap() {
   if (data_ != nullptr) {
     if (cuda_registered_) cuda_host::Unregister(data_);

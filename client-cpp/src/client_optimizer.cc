@@ -166,11 +166,12 @@ absl::StatusOr<uint64_t> Client::StateRequest(bool save, int fd,
 }
 
 absl::StatusOr<std::pair<uint64_t, uint32_t>> Client::RetireRequest(
-    absl::Span<const uint32_t> buckets) {
+    absl::Span<const uint32_t> buckets, bool masters_unpinned) {
   MutexLock lock(impl_->mu);
   if (!impl_->attached) return impl_->NotAttached();
   v1::SideRequest req;
   req.mutable_retire_buckets()->mutable_buckets()->Add(buckets.begin(), buckets.end());
+  req.mutable_retire_buckets()->set_masters_unpinned(masters_unpinned);
   // Punching many GiB out of the regions takes a while: the state requests' timeout.
   TSD_ASSIGN_OR_RETURN(auto reply, impl_->Call(std::move(req), -1,
                                                std::max(impl_->request_timeout, kMinStateTimeout),

@@ -298,7 +298,12 @@ absl::StatusOr<uint64_t> Optimizer::SaveState(int fd, absl::Span<const uint32_t>
 absl::StatusOr<uint64_t> Optimizer::LoadState(int fd) { return client_->StateRequest(false, fd); }
 
 absl::StatusOr<Optimizer::Retired> Optimizer::RetireBuckets(absl::Span<const uint32_t> buckets) {
-  TSD_ASSIGN_OR_RETURN(auto reply, client_->RetireRequest(buckets));
+  // The masters are pinned only for this process's own copies (initial values, unwrap,
+  // load_state), unless they are the parameter slots, which the GPU reads every step: unpinned,
+  // tsd can return the retired buckets' masters as well.
+  const bool unpin = master_ != nullptr && params_ != master_ && world_ <= 1;
+  if (unpin) master_->Unpin();
+  TSD_ASSIGN_OR_RETURN(auto reply, client_->RetireRequest(buckets, unpin));
   return Retired{reply.first, reply.second};
 }
 

@@ -15,9 +15,9 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
   buckets (the daemon's save_state with a bucket list), so the
   run goes on exactly (torch's AdamW from then on for them: within 1e-6 of tsd's, not bitwise);
   tsd stops receiving their gradients and retires their buckets (the daemon's retire_buckets:
-  it refuses their deliveries from then on and returns their moments' and accumulator's pages
-  to the pool; their masters, gradient and parameter slots stay, mapped and pinned by this
-  process), and the share's gradient norm joins tsd's commit through the norm bucket wrap()
+  it refuses their deliveries from then on and returns the pages of their moments, accumulator
+  and, where the working copy is not fp32, masters to the pool; their gradient and parameter
+  slots stay, mapped and pinned by this process), and the share's gradient norm joins tsd's commit through the norm bucket wrap()
   registered for this;
 - when every parameter fits, it is `offload="auto"`'s switch (`optim.switch_to_device`): the job's
   memory in tsd is released;
@@ -134,4 +134,4 @@ def move(opt: "TsdAdamW", ids: frozenset[int]) -> None:
     released, _ = s.handle.retire_buckets(sorted(ps.bucket for ps in moving))
     s.retired_bytes += int(released)
     s.events.append(f"optimizer_gpu_fraction=auto: tsd retired the {len(moving)} moved buckets and returned "
-                    f"{format_bytes(int(released))} of host memory (their moments and accumulator) to the pool")
+                    f"{format_bytes(int(released))} of host memory to the pool")

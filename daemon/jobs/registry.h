@@ -210,8 +210,8 @@ class Registry final {
     uint64_t released_bytes = 0;
     uint32_t retired = 0;  // the optimizer's retired buckets, these included
   };
-  absl::StatusOr<Retired> RetireBuckets(uint64_t session_id, absl::Span<const uint32_t> buckets)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Retired> RetireBuckets(uint64_t session_id, absl::Span<const uint32_t> buckets,
+                                        bool masters_unpinned = false) ABSL_LOCKS_EXCLUDED(mu_);
   // The job of a session (NOT_FOUND when the session has ended).
   absl::StatusOr<JobRef> SessionJob(uint64_t session_id);
   // The optimizer of a session's job (NOT_FOUND when there is none).

@@ -14,7 +14,8 @@
 namespace tsd {
 
 absl::StatusOr<Registry::Retired> Registry::RetireBuckets(uint64_t session_id,
-                                                          absl::Span<const uint32_t> buckets) {
+                                                          absl::Span<const uint32_t> buckets,
+                                                          bool masters_unpinned) {
   std::shared_ptr<JobOptimizer> optimizer;
   JobRef ref;
   {
@@ -35,7 +36,7 @@ absl::StatusOr<Registry::Retired> Registry::RetireBuckets(uint64_t session_id,
     ref = JobRef{job.name, job.instance};
   }
   TSD_ASSIGN_OR_RETURN(std::vector<JobOptimizer::Released> released,
-                       optimizer->RetireBuckets(buckets));
+                       optimizer->RetireBuckets(buckets, masters_unpinned));
   Retired out;
   out.retired = static_cast<uint32_t>(optimizer->retired());
   MutexLock lock(mu_);

@@ -161,12 +161,14 @@ class JobOptimizer final {
   // Retires buckets whose optimizer moved to the trainer (the GPU share): a delivery for one
   // fails the optimizer from now on, SaveState leaves them out (a full save is then a partial
   // file) and LoadState checks their entries but loads nothing into them, and the whole pages of
-  // their moments and accumulator (memory only the daemon maps) go back to the kernel. Their
-  // masters, gradient and parameter slots stay (the trainer maps and pins them). `buckets`:
-  // strictly ascending, existing indices, each idle (nothing in flight or held); already retired
-  // ones are skipped. FAILED_PRECONDITION under data parallel or after a failure; nothing changes
-  // when anything is refused.
-  absl::StatusOr<std::vector<Released>> RetireBuckets(absl::Span<const uint32_t> buckets)
+  // their moments and accumulator (memory only the daemon maps) go back to the kernel; their
+  // masters too with `masters_unpinned` (the trainer no longer pins the master region), unless
+  // the masters are the parameter slots (params_in_master). The gradient and parameter slots
+  // stay (the trainer maps and pins them). `buckets`: strictly ascending, existing indices, each
+  // idle (nothing in flight or held); already retired ones are skipped. FAILED_PRECONDITION under
+  // data parallel or after a failure; nothing changes when anything is refused.
+  absl::StatusOr<std::vector<Released>> RetireBuckets(absl::Span<const uint32_t> buckets,
+                                                      bool masters_unpinned = false)
       ABSL_LOCKS_EXCLUDED(state_mu_);
   // How many buckets are retired.
   size_t retired() const { return retired_count_.load(std::memory_order_acquire); }

@@ -5,10 +5,11 @@
 // accumulator would stay locked in the host pool for the rest of the job. Retiring punches those
 // pages out of the regions and lowers the job's charge (the Registry uncharges what this returns).
 //
-// Only memory the daemon alone maps is released: both moments and the accumulator. The masters,
-// gradient and parameter slots are mapped by the trainer too, which registers every region it
-// maps with CUDA (pinned pages stay alive until it unregisters them, so punching them would
-// lower the charge without returning the memory).
+// Released: both moments and the accumulator (only the daemon maps them), and the masters where
+// the trainer says it unpinned them (masters_unpinned) and they are not the parameter slots. The
+// trainer registers every region it maps with CUDA, and pinned pages stay alive until it
+// unregisters them, so punching them would lower the charge without returning the memory: the
+// gradient and parameter slots (its DMA buffers) always stay.
 #include <algorithm>
 #include <map>
 #include <utility>
@@ -20,7 +21,7 @@
 namespace tsd {
 
 absl::StatusOr<std::vector<JobOptimizer::Released>> JobOptimizer::RetireBuckets(
-    absl::Span<const uint32_t> buckets) {
+    absl::Span<const uint32_t> buckets, bool masters_unpinned) {
   for (size_t i = 0; i < buckets.size(); ++i) {
     if (buckets[i] >= runs_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("retire_buckets: bucket ", buckets[i],
@@ -73,6 +74,9 @@ absl::StatusOr<std::vector<JobOptimizer::Released>> JobOptimizer::RetireBuckets(
     uint64_t bytes_per_element;
   };
   std::vector<Part> parts;
+  if (masters_unpinned && !plan_.params_in_master) {
+    parts.push_back({regions_.master.get(), &BucketPlan::master_offset, 4});
+  }
   parts.push_back({regions_.exp_avg.get(), &BucketPlan::moment_offset, msize});
   parts.push_back({regions_.exp_avg_sq.get(), &BucketPlan::moment_offset, msize});
   if (regions_.accum) parts.push_back({regions_.accum.get(), &BucketPlan::master_offset, 4});

@@ -248,7 +248,8 @@ SideOutcome SideHandler::Handle(const SideCaller& caller, const v1::SideRequest&
     }
     case v1::SideRequest::kRetireBuckets: {
       const auto& list = request.retire_buckets().buckets();
-      auto retired = registry_.RetireBuckets(sid, absl::MakeConstSpan(list.data(), list.size()));
+      auto retired = registry_.RetireBuckets(sid, absl::MakeConstSpan(list.data(), list.size()),
+                                             request.retire_buckets().masters_unpinned());
       if (!retired.ok()) {
         SetError(out.reply, retired.status());
       } else {

@@ -141,6 +141,42 @@ TEST(Retire, ReturnsTheMomentsToThePoolAndTheRestGoesOnBitForBit) {
       << UsedBytes(*ref.client) << " used, " << base << " before the job";
 }
 
+// bf16 working copies: the masters are tsd's alone (not the parameter slots), so the client
+// unpins its mapping of them and the retired buckets' masters go too; with fp32 parameters (the
+// test above) the masters are the slots the GPU reads and stay.
+TEST(Retire, MastersGoTooWhereTheyAreNotTheParameterSlots) {
+  auto d = DaemonProcess::Start({.args = {"--pool-size", "256MiB"}});
+  ASSERT_TRUE(d);
+  OptimizerSpec spec = ThreeBuckets();
+  for (auto& b : spec.buckets) b.param_dtype = b.grad_dtype = DType::kBF16;
+  spec.moment_dtype = DType::kBF16;
+  auto a = AttachOptimizer(*d, "bf16", spec);
+  ASSERT_TRUE(a.opt);
+  for (size_t b = 0; b < 3; ++b) {
+    std::memset(a.opt->grad(b), 0, a.opt->numel(b) * 2);
+    ASSERT_TRUE(a.opt->Ready(b).ok());
+  }
+  ASSERT_TRUE(a.opt->WaitAll().ok());
+  const uint64_t masters = AllocatedBytes(*a.client, "opt/master");
+  const uint64_t used = UsedBytes(*a.client);
+  const std::vector<uint32_t> moved = {2};
+  auto r = a.opt->RetireBuckets(moved);
+  ASSERT_TRUE(r.ok()) << r.status();
+  // 500,000 elements: fp32 master (4 bytes) and two bf16 moments (2 each), less partial pages.
+  EXPECT_LE(r->released_bytes, 500000u * 8);
+  EXPECT_GE(r->released_bytes, 500000u * 8 - 3 * 2 * 4096);
+  const uint64_t master_gone = masters - AllocatedBytes(*a.client, "opt/master");
+  EXPECT_GE(master_gone, 500000u * 4 - 2 * 4096);
+  EXPECT_LE(master_gone, 500000u * 4);
+  EXPECT_EQ(UsedBytes(*a.client), used - r->released_bytes);
+  // The gradient and parameter slots stay whole.
+  struct stat st {};
+  auto params = a.client->Map("opt/params");
+  ASSERT_TRUE(params.ok());
+  ASSERT_EQ(fstat((*params)->fd(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_blocks) * 512, (*params)->size());
+}
+
 TEST(Retire, StateFilesLeaveRetiredBucketsOut) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d);

@@ -220,10 +220,14 @@ def test_auto_with_param_dtype_gives_fp32_back(tsd):
 
     def keep(model, opt):
         dtypes["during"] = {p.dtype for p in model.parameters()}
+        dtypes["returned"] = trainstream.unwrap_session(model).retired_bytes
     base, *_ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16)
-    mine, _, _, _, (tensors, _), _ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16, optimizer_gpu_fraction="auto",
-                                             budget=half_budget(ref), after=keep)
+    mine, _, _, _, (tensors, numel), _ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16,
+                                                 optimizer_gpu_fraction="auto", budget=half_budget(ref), after=keep)
     assert tensors > 0 and dtypes["during"] == {torch.bfloat16}
+    # The masters are not the parameter slots here: tsd returned them with the moments and the
+    # accumulator (4 + 8 + 4 bytes a parameter), less partial pages at the ends of each region's span.
+    assert numel * 16 - 2 * 4 * 4096 <= dtypes["returned"] <= numel * 16
     assert all(p.dtype == torch.float32 for p in mine.parameters())
     assert max_diff(base, mine) <= 2e-3
 

@@ -127,6 +127,9 @@ class Region final {
   int fd() const { return fd_; }
   // Registered with CUDA (cudaHostRegister) in this process.
   bool cuda_registered() const { return cuda_registered_; }
+  // Unregisters it from CUDA (it stays mapped; copies to and from it become pageable ones), so
+  // that pages the daemon punches out of it really return to the kernel. Idempotent.
+  void Unpin();
 
  private:
   friend class Client;
@@ -250,7 +253,8 @@ class Client final {
   // Sends a state request with `fd` on the side socket; returns the bytes the daemon moved.
   absl::StatusOr<uint64_t> StateRequest(bool save, int fd, absl::Span<const uint32_t> buckets = {});
   // Optimizer::RetireBuckets: the request and its reply (released bytes, retired count).
-  absl::StatusOr<std::pair<uint64_t, uint32_t>> RetireRequest(absl::Span<const uint32_t> buckets);
+  absl::StatusOr<std::pair<uint64_t, uint32_t>> RetireRequest(absl::Span<const uint32_t> buckets,
+                                                              bool masters_unpinned);
   // False once the daemon closed the session's side connection (it died or shut down).
   bool DaemonAlive(std::string* why);
 

@@ -158,8 +158,10 @@ class Optimizer final {
   absl::StatusOr<uint64_t> LoadState(int fd);
   // Tells tsd that these buckets' optimizer moved into this process (the GPU share): tsd refuses
   // their deliveries from now on, leaves them out of SaveState, and returns their moments' and
-  // accumulator's memory to the pool. Strictly ascending indices, each idle (between steps);
-  // already retired ones are skipped. Refused under data parallel.
+  // accumulator's memory to the pool, and their masters' too where the masters are not the
+  // parameter slots (this process then unpins the master region: its copies to and from it
+  // become pageable ones). Strictly ascending indices, each idle (between steps); already retired
+  // ones are skipped. Refused under data parallel.
   struct Retired {
     uint64_t released_bytes = 0;  // returned to the pool by this call
     uint32_t retired = 0;         // buckets retired so far
