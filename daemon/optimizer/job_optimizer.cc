@@ -470,9 +470,16 @@ kernels::AdamWTensors JobOptimizer::Tensors(const BucketRun& run, const void* gr
 }
 
 void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dtype,
-                              float grad_scale, std::function<void()> after) {
+                              float grad_scale, std::function<void()> after,
+                              const kernels::AdamWHyper* fixed) {
   BucketRun& run = *runs_[b];
-  const std::optional<kernels::AdamWHyper> h = NextStepHyper(run);
+  std::optional<kernels::AdamWHyper> h;
+  if (fixed != nullptr) {
+    h = *fixed;
+    h->step = ++run.steps;
+  } else {
+    h = NextStepHyper(run);
+  }
   if (!h) return;
   kernels::AdamWHyper hyper = *h;
   hyper.grad_scale = grad_scale;

@@ -293,8 +293,12 @@ class JobOptimizer final {
         std::chrono::steady_clock::now() - start);
     work_busy_ns_.fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
   }
+  // One AdamW step of bucket b with `grad` scaled by `grad_scale`, then `after`. The
+  // hyperparameters are the page's now, or `fixed` (a commit's snapshot of its step's: a bucket
+  // the commit applies after publishing others must not see the next step's, which the trainer
+  // may already have written).
   void StepBucket(size_t b, const void* grad, kernels::DType grad_dtype, float grad_scale,
-                  std::function<void()> after);
+                  std::function<void()> after, const kernels::AdamWHyper* fixed = nullptr);
   void CompleteDelivery(size_t b);
   // The bucket's place in the queue: the client's forward order (page), else after all of those.
   uint64_t Priority(size_t b) const;

@@ -175,7 +175,9 @@ void JobOptimizer::ApplyCommitTo(size_t b) {
   };
   const float coef = commit_coef_;
   if (!run.speculated) {
-    StepBucket(b, g.data, g.dtype, coef, std::move(after));
+    // The step's hyperparameters as the commit read them: members it published before this one
+    // woke the trainer, which may have written the next step's since.
+    StepBucket(b, g.data, g.dtype, coef, std::move(after), &*commit_hyper_[run.plan.group]);
     return;
   }
   // Speculated: kept when it is what the commit computes (coefficient 1, the same
