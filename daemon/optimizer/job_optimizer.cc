@@ -438,8 +438,27 @@ absl::StatusOr<kernels::AdamWHyper> JobOptimizer::PageHyper(uint32_t group) cons
   return h;
 }
 
-std::optional<kernels::AdamWHyper> JobOptimizer::NextStepHyper(BucketRun& run) {
-  absl::StatusOr<kernels::AdamWHyper> h = PageHyper(run.plan.group);
+absl::Status JobOptimizer::CheckBucketList(absl::string_view request,
+                                           absl::Span<const uint32_t> buckets) const {
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    if (buckets[i] >= runs_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(request, ": bucket ", buckets[i],
+                                                     " does not exist (the optimizer has ",
+                                                     runs_.size(), " buckets)"));
+    }
+    if (i > 0 && buckets[i] <= buckets[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(request,
+                                                     ": the buckets must be strictly ascending (",
+                                                     buckets[i], " follows ", buckets[i - 1], ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::optional<kernels::AdamWHyper> JobOptimizer::NextStepHyper(BucketRun& run,
+                                                               const kernels::AdamWHyper* fixed) {
+  absl::StatusOr<kernels::AdamWHyper> h =
+      fixed != nullptr ? absl::StatusOr<kernels::AdamWHyper>(*fixed) : PageHyper(run.plan.group);
   if (!h.ok()) {
     Fail(std::string(h.status().message()));
     return std::nullopt;
@@ -473,13 +492,7 @@ void JobOptimizer::StepBucket(size_t b, const void* grad, kernels::DType grad_dt
                               float grad_scale, std::function<void()> after,
                               const kernels::AdamWHyper* fixed) {
   BucketRun& run = *runs_[b];
-  std::optional<kernels::AdamWHyper> h;
-  if (fixed != nullptr) {
-    h = *fixed;
-    h->step = ++run.steps;
-  } else {
-    h = NextStepHyper(run);
-  }
+  const std::optional<kernels::AdamWHyper> h = NextStepHyper(run, fixed);
   if (!h) return;
   kernels::AdamWHyper hyper = *h;
   hyper.grad_scale = grad_scale;

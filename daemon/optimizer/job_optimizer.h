@@ -35,6 +35,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "daemon/memory/region.h"
@@ -266,11 +267,15 @@ class JobOptimizer final {
                   const kernels::AdamWHyper& h, std::function<void()> after);
   // Resume: undoes the speculated update of a held bucket whose commit will never come.
   void UndoSpeculation(size_t b);
+  // A client's list of buckets (save_state, retire_buckets): INVALID_ARGUMENT, naming `request`,
+  // unless every index exists and they are strictly ascending.
+  absl::Status CheckBucketList(absl::string_view request, absl::Span<const uint32_t> buckets) const;
   // The group's hyperparameters from the page (checked; the page is the client's).
   absl::StatusOr<kernels::AdamWHyper> PageHyper(uint32_t group) const;
-  // The bucket's next step: the page's hyperparameters and its step count, incremented; nullopt
-  // (the optimizer failed) when the page's values are invalid.
-  std::optional<kernels::AdamWHyper> NextStepHyper(BucketRun& run);
+  // The bucket's next step: the page's hyperparameters (or `fixed`, a commit's snapshot) and its
+  // step count, incremented; nullopt (the optimizer failed) when the page's values are invalid.
+  std::optional<kernels::AdamWHyper> NextStepHyper(BucketRun& run,
+                                                   const kernels::AdamWHyper* fixed = nullptr);
   // The tensors of bucket `run`'s elements [begin, begin + n) for the kernels.
   kernels::AdamWTensors Tensors(const BucketRun& run, const void* grad, kernels::DType grad_dtype,
                                 int64_t begin, int64_t n) const;

@@ -16,24 +16,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "daemon/optimizer/job_optimizer.h"
+#include "proto/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace tsd {
 
 absl::StatusOr<std::vector<JobOptimizer::Released>> JobOptimizer::RetireBuckets(
     absl::Span<const uint32_t> buckets, bool masters_unpinned) {
-  for (size_t i = 0; i < buckets.size(); ++i) {
-    if (buckets[i] >= runs_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("retire_buckets: bucket ", buckets[i],
-                                                     " does not exist (the optimizer has ",
-                                                     runs_.size(), " buckets)"));
-    }
-    if (i > 0 && buckets[i] <= buckets[i - 1]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("retire_buckets: the buckets must be strictly ascending (", buckets[i],
-                       " follows ", buckets[i - 1], ")"));
-    }
-  }
+  TSD_RETURN_IF_ERROR(CheckBucketList("retire_buckets", buckets));
   if (plan_.world > 1) {
     return absl::FailedPreconditionError(absl::StrCat(
         "retire_buckets: the optimizer is shared by ", plan_.world,

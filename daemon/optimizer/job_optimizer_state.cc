@@ -162,18 +162,7 @@ absl::Status ReadAll(int fd, char* p, uint64_t n, uint64_t offset) {
 
 absl::StatusOr<uint64_t> JobOptimizer::SaveState(int fd, absl::Span<const uint32_t> buckets) {
   TSD_RETURN_IF_ERROR(CheckFile(fd));
-  for (size_t i = 0; i < buckets.size(); ++i) {
-    if (buckets[i] >= runs_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("save_state: bucket ", buckets[i],
-                                                     " does not exist (the optimizer has ",
-                                                     runs_.size(), " buckets)"));
-    }
-    if (i > 0 && buckets[i] <= buckets[i - 1]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("save_state: the buckets must be strictly ascending (", buckets[i],
-                       " follows ", buckets[i - 1], ")"));
-    }
-  }
+  TSD_RETURN_IF_ERROR(CheckBucketList("save_state", buckets));
   MutexLock lock(state_mu_);
   if (!Idle()) {
     return absl::FailedPreconditionError(
