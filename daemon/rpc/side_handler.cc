@@ -354,13 +354,31 @@ absl::StatusOr<uint64_t> SideHandler::Checkpoint(const SideCaller& caller, const
   TSD_RETURN_IF_ERROR(CheckStateFd(fd, /*save=*/true));
   TSD_ASSIGN_OR_RETURN(std::shared_ptr<JobOptimizer> optimizer,
                        registry_.OptimizerForCheckpoint(job, caller.uid));
+  // The GPU share's state lives in the trainer, not here: a file without it could not be loaded
+  // back (load_state refuses a partial file), so refuse rather than write one that looks whole.
+  // Checked again after the write, in case the trainer retired buckets meanwhile.
+  auto moved = [&]() -> absl::Status {
+    const size_t gone = optimizer->retired();
+    if (gone == 0) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job, "' moved the optimizer of ", gone, " of its ",
+        optimizer->plan().buckets.size(),
+        " buckets into its trainer's GPU share (wrap(optimizer_gpu_fraction=...)); tsd holds no "
+        "state for them, so a checkpoint from here would be partial and could not be loaded back. "
+        "Save the whole state from the trainer instead (optimizer.state_dict())"));
+  };
+  TSD_RETURN_IF_ERROR(moved());
   // This runs on a request worker, not the side socket's thread. A job that is stepping is
   // written between two of its deliveries: wait for such a moment for a while.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   for (;;) {
     absl::StatusOr<uint64_t> written = optimizer->SaveState(fd);
-    if (written.ok() || written.status().code() != absl::StatusCode::kFailedPrecondition ||
-        absl::Now() > deadline) {
+    bool final = written.ok() || written.status().code() != absl::StatusCode::kFailedPrecondition ||
+                 absl::Now() > deadline;
+    if (written.ok()) {
+      if (absl::Status m = moved(); !m.ok()) written = m;  // final: retrying cannot help
+    }
+    if (final) {
       spdlog::info("event=checkpoint job={} uid={} pid={} bytes={} error=\"{}\"", job, caller.uid,
                    caller.pid, written.value_or(0), std::string(written.status().message()));
       return written;

@@ -213,6 +213,34 @@ TEST(Retire, StateFilesLeaveRetiredBucketsOut) {
   close(after);
 }
 
+TEST(Retire, TsctlCheckpointRefusesAJobWithAGpuShareLeavingTheFileAlone) {
+  auto d = DaemonProcess::Start();
+  ASSERT_TRUE(d);
+  auto a = AttachOptimizer(*d, "shared", ThreeBuckets());
+  ASSERT_TRUE(a.opt);
+  std::mt19937 rng(4);
+  Step(*a.opt, {0, 1, 2}, rng);
+  const std::string file = d->dir() + "/shared.safetensors";
+  const std::string tsctl =
+      std::string(TSCTL_BINARY) + " --socket " + d->socket() + " checkpoint shared " + file;
+  int rc = -1;
+  RunCommand(tsctl + " 2>&1", &rc);  // a whole state: written
+  ASSERT_EQ(rc, 0);
+  const std::string before = RunCommand("xxh64sum " + file + " 2>/dev/null || cksum " + file);
+
+  ASSERT_TRUE(a.opt->RetireBuckets(std::vector<uint32_t>{1}).ok());
+  const std::string out = RunCommand(tsctl + " 2>&1", &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_THAT(out, HasSubstr("moved the optimizer of 1 of its 3 buckets"));
+  EXPECT_THAT(out, HasSubstr("optimizer.state_dict()"));
+  EXPECT_THAT(out, HasSubstr("was not changed"));
+  EXPECT_EQ(RunCommand("xxh64sum " + file + " 2>/dev/null || cksum " + file), before);
+  EXPECT_EQ(RunCommand("ls -A " + d->dir() + " | grep -c tmp-"), "0\n");  // nothing left behind
+  // The job goes on.
+  Step(*a.opt, {0, 2}, rng);
+  EXPECT_EQ(a.opt->steps(0), 2u);
+}
+
 TEST(Retire, BadRequestsAreRefusedChangingNothing) {
   auto d = DaemonProcess::Start();
   ASSERT_TRUE(d);
