@@ -459,6 +459,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if status == "failed":  # the whole traceback, for the log of the run
                 print(f"{mode} failed; the end of its output:\n" + "\n".join(
                     (run.stderr or run.stdout).strip().splitlines()[-150:]), file=sys.stderr, flush=True)
+            elif a.profile_step and "--profile-step:" in (run.stderr or ""):
+                # The profiled step's tables, into the run's log as the child finishes (its files
+                # may not come back from the machine that ran it).
+                print(run.stderr[run.stderr.index("--profile-step:"):].rstrip(), file=sys.stderr, flush=True)
             rec.record(mode, workload(mode, a, raw), values, status=status, reason=reason, repeat=repeat,
                        extra={"raw": raw} if raw else None)
             print("@@" + json.dumps({"mode": mode, "repeat": repeat, "status": status, **(

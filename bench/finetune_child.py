@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import runpy
 import sys
 import tempfile
@@ -46,7 +47,7 @@ def run_tsd_mode(a: argparse.Namespace) -> None:
             os.makedirs(history, exist_ok=True)
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-            with open(os.path.join(history, f"{a.mode.replace(':', '_')}-failed.pickle"), "wb") as f:
+            with open(os.path.join(history, f"{safe_name(a.mode)}-failed.pickle"), "wb") as f:
                 pickle.dump(snapshot, f)
             print(memory_summary.summarize(snapshot, top=30, trace=25, depth=3), file=sys.stderr)
         sys.stderr.flush()
@@ -384,6 +385,12 @@ def window_phases(marks: list[tuple[int, int, int, int, int]], first: int,
     return out
 
 
+def safe_name(mode: str) -> str:
+    """`mode` (a --modes entry, e.g. "tsd_bf16_act:cap=16:gpu=auto") as a file name of letters,
+    digits, '.', '_' and '-' only: the device tool brings back no file whose name has others."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", mode)
+
+
 def start_profile(cuda: bool) -> Any:
     """A started torch profiler (CPU, and CUDA on a GPU) for `--profile-step`."""
     import torch
@@ -396,14 +403,15 @@ def start_profile(cuda: bool) -> Any:
 
 def end_profile(prof: Any, mode: str) -> None:
     """Stops `prof` and writes, into $TSD_BENCH_PROFILE_DIR (default: the temporary folder), the
-    operations by CPU time and by device time (profile-MODE.txt, also printed to stderr) and a
-    gzipped Chrome trace (profile-MODE.json.gz)."""
+    operations by CPU time and by device time (profile-MODE.txt, also printed to stderr, which
+    finetune_bench relays) and a gzipped Chrome trace (profile-MODE.json.gz); MODE as
+    `safe_name` writes it."""
     import torch
 
     prof.stop()
     folder = os.environ.get("TSD_BENCH_PROFILE_DIR") or tempfile.gettempdir()
     os.makedirs(folder, exist_ok=True)
-    base = os.path.join(folder, f"profile-{mode.replace(':', '_')}")
+    base = os.path.join(folder, f"profile-{safe_name(mode)}")
     prof.export_chrome_trace(base + ".json.gz")
     table = prof.key_averages()
     text = f"--profile-step: {mode}; by CPU time:\n" + table.table(sort_by="self_cpu_time_total", row_limit=30)

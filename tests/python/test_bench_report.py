@@ -14,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import benchlib  # noqa: E402
 import finetune_bench  # noqa: E402
+import finetune_child  # noqa: E402
 import report  # noqa: E402
 import stream  # noqa: E402
 
@@ -200,6 +201,11 @@ def test_a_budget_sweep_in_one_run_is_one_line_of_the_plot():
     assert list(report.plot_points(block, records)) == ["tsd_bf16_act", "stock"]
 
 
+def test_profile_files_are_named_with_characters_the_device_tool_brings_back():
+    assert finetune_child.safe_name("tsd_bf16_act:cap=16:gpu=auto") == "tsd_bf16_act_cap_16_gpu_auto"
+    assert finetune_child.safe_name("stock") == "stock"
+
+
 def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     results = tmp_path / "finetune.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "finetune_bench.py"), "--device", "cpu", "--arch", "tiny",
@@ -219,6 +225,7 @@ def test_tiny_cpu_finetune_run_appends_well_formed_records(tsd, tmp_path):
     assert len(v["grad_norms"]) == 3 and all(n > 0 for n in v["grad_norms"])
     assert v["wrap_s"] > 0 and v["build_s"] > 0 and "registration in tsd" in ok["raw"]["wrap_event"]
     assert "Self CPU" in (tmp_path / "profile" / "profile-tsd.txt").read_text()
+    assert "--profile-step: tsd; by CPU time" in out.stderr  # relayed into the run's log
     assert (tmp_path / "profile" / "profile-tsd.json.gz").stat().st_size > 0
     assert v["tsd_used_gib"] > 0 and v["host_pss_peak_gib"] >= v["trainer_pss_peak_gib"] > 0 and v["tsd_pss_peak_gib"] > 0
     # The host bound check_memory implied (the trainer before wrap(), tsd before the run, the
