@@ -265,6 +265,52 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
     pager.remove()
 
 
+def test_activation_pager_looks_at_the_models_parameters_once_a_forward_and_keeps_outside_weights():
+    from trainstream.paging.activations import ActivationPager
+
+    class UsesHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+
+        def forward(self, z, w):
+            return self.lin(z) @ w  # saves lin's input and weight, its output and w (the head's)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(256, 256)
+            self.blocks = nn.ModuleList([UsesHead() for _ in range(3)])
+
+        def forward(self, z):
+            for blk in self.blocks:
+                z = blk(z, self.head.weight)
+            return self.head(z)
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(64, 256)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads()
+    pager = ActivationPager(model, [model.blocks[0], model.blocks[2]], "cpu", min_bytes=1)
+    pager.install()
+    got = grads()
+    # Two paged blocks, each paging its Linear's input and output; their own weights and the
+    # head's weight (outside the stack, saved inside the block) stay.
+    assert pager.paged_tensors == 4
+    assert pager.outside_looks == 1  # one walk of the model's parameters a forward, not one a block
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # replaced between steps
+    assert all(torch.equal(a, b) for a, b in zip(grads(), want))
+    assert pager.paged_tensors == 8 and pager.outside_looks == 2  # the new head is kept too
+    pager.remove()
+
+
 def test_activation_pager_keeps_strides_and_skips_sparse_views():
     from trainstream.paging.activations import ActivationPager
 

@@ -16,8 +16,9 @@ made on its own uses `PinnedHost` (torch's pinned allocator). A page gives its b
 autograd drops it (after backward, or with the graph), once the last copy from it has completed.
 
 Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
-unpaged one does. Kept on the device: weights (the parameters' own storage, and under autocast
-their cast copies), tensors under `min_bytes`, views that do not cover their memory densely, and
+unpaged one does. Kept on the device: weights (the storage of the block's own parameters and of
+the model's parameters outside the block stack, and under autocast their cast copies; another
+block's weight saved here would be paged, a copy like any), tensors under `min_bytes`, views that do not cover their memory densely, and
 anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
 On `device="cpu"` the page is a plain copy: no memory is saved, but the path (host blocks
 included) runs and is tested.
@@ -89,6 +90,16 @@ def find_blocks(model: nn.Module) -> tuple[Optional[str], Optional[nn.ModuleList
     return best_name, best
 
 
+def stack_of(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules of the nn.ModuleList of `model` that holds `blocks[0]` (the block stack the
+    paged blocks belong to), else `blocks` themselves."""
+    if blocks:
+        for m in model.modules():
+            if isinstance(m, nn.ModuleList) and any(b is blocks[0] for b in m):
+                return list(m)
+    return list(blocks)
+
+
 def choose_blocks(option: Union[bool, float, Sequence[int]], count: int) -> list[int]:
     """Indices of the blocks to page for an `activation_offload` value: True (all), a fraction
     in (0, 1] (the first ceil(f * count) blocks: their activations are made first and needed
@@ -131,6 +142,11 @@ class ActivationPager:
         self.current: dict[tuple, tuple[torch.Tensor, _Page]] = {}
         self.keep_ptrs: set[int] = set()            # storages of the parameters: never paged
         self.keep_shapes: set[tuple[int, ...]] = set()  # under autocast, weights' cast copies stay too
+        # The stack the blocks belong to, and what the model's parameters outside it keep (storage
+        # pointers, shapes), as of the forward's first paged block: see _enter.
+        self.stack = stack_of(model, self.blocks)
+        self.outside_keep: Optional[tuple[set[int], set[tuple[int, ...]]]] = None
+        self.outside_looks = 0  # how many times the model's parameters were walked (a test reads it)
         self.paged_bytes = 0
         self.paged_tensors = 0
 
@@ -161,15 +177,29 @@ class ActivationPager:
         if not torch.is_grad_enabled():
             self.hook_ctx.append(None)
             return
-        # Parameters can be replaced between steps (param_dtype=, .to()): look at them each time,
-        # with torch functions off: a look is not a use (overlap_forward's ForwardOrder records
-        # uses through a TorchFunctionMode, and would put every parameter into this block).
+        # Parameters can be replaced between steps (param_dtype=, .to()), and a weight-paged
+        # block's move during forward: this block's own are looked at each time, the model's
+        # parameters outside the stack (embeddings, final norm, head: never paged) once a forward,
+        # at its first paged block. Walking every parameter at every block cost 20 ms a forward of
+        # a 1.5B model on the thread that launches the kernels. Looks run with torch functions off:
+        # a look is not a use (overlap_forward's ForwardOrder records uses through a
+        # TorchFunctionMode, and would put every parameter into this block).
         with torch._C.DisableTorchFunction():
-            self.keep_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-            self.keep_shapes = {tuple(p.shape) for p in self.model.parameters()}
+            if self.outside_keep is None or module is self.blocks[0]:
+                self.outside_keep = self._outside_keep()
+            own = list(module.parameters())
+            self.keep_ptrs = self.outside_keep[0] | {p.untyped_storage().data_ptr() for p in own}
+            self.keep_shapes = self.outside_keep[1] | {tuple(p.shape) for p in own}
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self.hook_ctx.append(ctx)
+
+    def _outside_keep(self) -> tuple[set[int], set[tuple[int, ...]]]:
+        """The storage pointers and shapes of the model's parameters outside the block stack."""
+        self.outside_looks += 1
+        inside = {id(p) for blk in self.stack for p in blk.parameters()}
+        outside = [p for p in self.model.parameters() if id(p) not in inside]
+        return {p.untyped_storage().data_ptr() for p in outside}, {tuple(p.shape) for p in outside}
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.hook_ctx.pop() if self.hook_ctx else None
