@@ -143,7 +143,7 @@ class ActivationPager:
         self.keep_ptrs: set[int] = set()            # storages of the parameters: never paged
         self.keep_shapes: set[tuple[int, ...]] = set()  # under autocast, weights' cast copies stay too
         # The stack the blocks belong to, and what the model's parameters outside it keep (storage
-        # pointers, shapes), as of the forward's first paged block: see _enter.
+        # pointers, shapes), as of the first or last paged block's forward: see _enter.
         self.stack = stack_of(model, self.blocks)
         self.outside_keep: Optional[tuple[set[int], set[tuple[int, ...]]]] = None
         self.outside_looks = 0  # how many times the model's parameters were walked (a test reads it)
@@ -179,13 +179,14 @@ class ActivationPager:
             return
         # Parameters can be replaced between steps (param_dtype=, .to()), and a weight-paged
         # block's move during forward: this block's own are looked at each time, the model's
-        # parameters outside the stack (embeddings, final norm, head: never paged) once a forward,
-        # at its first paged block. Walking every parameter at every block cost 20 ms a forward of
+        # parameters outside the stack (embeddings, final norm, head: never paged) at the first
+        # and the last paged block (the first of a forward and the first a checkpointed backward
+        # recomputes). Walking every parameter at every block cost 20 ms a forward of
         # a 1.5B model on the thread that launches the kernels. Looks run with torch functions off:
         # a look is not a use (overlap_forward's ForwardOrder records uses through a
         # TorchFunctionMode, and would put every parameter into this block).
         with torch._C.DisableTorchFunction():
-            if self.outside_keep is None or module is self.blocks[0]:
+            if self.outside_keep is None or module is self.blocks[0] or module is self.blocks[-1]:
                 self.outside_keep = self._outside_keep()
             own = list(module.parameters())
             self.keep_ptrs = self.outside_keep[0] | {p.untyped_storage().data_ptr() for p in own}
