@@ -373,8 +373,9 @@ absl::StatusOr<uint64_t> SideHandler::Checkpoint(const SideCaller& caller, const
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   for (;;) {
     absl::StatusOr<uint64_t> written = optimizer->SaveState(fd);
-    bool final = written.ok() || written.status().code() != absl::StatusCode::kFailedPrecondition ||
-                 absl::Now() > deadline;
+    const bool final = written.ok() ||
+                       written.status().code() != absl::StatusCode::kFailedPrecondition ||
+                       absl::Now() > deadline;
     if (written.ok()) {
       if (absl::Status m = moved(); !m.ok()) written = m;  // final: retrying cannot help
     }

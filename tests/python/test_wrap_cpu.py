@@ -265,7 +265,7 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
     pager.remove()
 
 
-def test_activation_pager_looks_at_the_models_parameters_once_a_forward_and_keeps_outside_weights():
+def test_activation_pager_looks_at_the_models_parameters_at_its_first_and_last_block_and_keeps_outside_weights():
     from trainstream.paging.activations import ActivationPager
 
     class UsesHead(nn.Module):

@@ -18,8 +18,8 @@ autograd drops it (after backward, or with the graph), once the last copy from i
 Values are copied bit for bit and keep their strides, so a paged run computes exactly what an
 unpaged one does. Kept on the device: weights (the storage of the block's own parameters and of
 the model's parameters outside the block stack, and under autocast their cast copies; another
-block's weight saved here would be paged, a copy like any), tensors under `min_bytes`, views that do not cover their memory densely, and
-anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
+block's weight saved here would be paged, a copy like any), tensors under `min_bytes`, views that
+do not cover their memory densely, and anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
 On `device="cpu"` the page is a plain copy: no memory is saved, but the path (host blocks
 included) runs and is tested.
 """
