@@ -67,6 +67,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     lora = a.mode in LORA_MODES
     model, vocab = build_model(a, a.mode)
     n_params = sum(p.numel() for p in model.parameters())  # before wrap(): paged weights leave placeholders
+    n_trained_all = sum(p.numel() for p in model.parameters() if p.requires_grad)  # so do the trained ones
     if not host_built(a, a.mode):
         model = model.to(a.device)
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
@@ -100,8 +101,13 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     ids = torch.randint(0, vocab, (a.batch, a.seq), device=a.device)
     loader = iter(random_token_loader(a, vocab)) if a.loader_workers else None
     data_ms: list[float] = []
-    act_pager = getattr(session, "act_pager", None)
-    act_paged: list[int] = []  # the activation pager's cumulative bytes, before each step
+    # The activation pager's cumulative bytes before each step, with the pager counting them: under
+    # activation_offload="auto" the first step's profiler gives way to the pager after that step.
+    act_paged: list[tuple[int, int]] = []
+
+    def act_sample() -> tuple[int, int]:
+        pager_now = getattr(session, "act_pager", None)
+        return id(pager_now), int(getattr(pager_now, "paged_bytes", 0) or 0)
     times, fwd_ms, bwd_ms, step_ms = [], [], [], []
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     retries: list[int] = []  # the caching allocator's retries in each step
@@ -138,7 +144,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         t = time.perf_counter()
         t_ns = time.monotonic_ns()
         starts.append(t)
-        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
+        act_paged.append(act_sample())
         data_wait: Optional[float] = None
         if loader is not None:  # the next batch from the workers (the wait counts in the step)
             ids = next(loader).to(a.device, non_blocking=True)
@@ -240,9 +246,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         grad_bytes = param_bytes = trained[0].element_size() if trained else 4
         per = stream.host_bytes_per_param(grad_bytes, param_bytes, 2 if moments == "bfloat16" else 4,
                                           bool(a.clip) and not fused)
-        n_trained = sum(p.numel() for p in trained)
-        act_paged.append(int(getattr(act_pager, "paged_bytes", 0) or 0))
-        act_steps = [b - a_ for a_, b in zip(act_paged, act_paged[1:]) if b >= a_]
+        # Counted before wrap(): a paged block's parameters are empty placeholders between uses, yet
+        # their updates move the same host bytes as the resident ones'.
+        n_trained = n_trained_all
+        act_paged.append(act_sample())
+        act_steps = stream.growth_per_step(act_paged)
         act_out = med([float(x) for x in act_steps]) if act_steps else 0.0  # activation pages out a step
         weights_in = pager.moved_bytes / a.steps if pager is not None else 0.0  # paged weights in a step
         paging = 2 * act_out + weights_in  # the activations out and back, the weights in

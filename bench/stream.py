@@ -37,6 +37,15 @@ def host_bytes_per_param(grad_bytes: int, param_bytes: int, moment_bytes: int, c
     return {"adamw": adamw, "clip": clip_read, "pcie": pcie, "total": adamw + clip_read + pcie}
 
 
+def growth_per_step(samples: list[tuple[int, int]]) -> list[int]:
+    """What a cumulative counter grew by each step, from (owner, count) samples taken before each
+    step and after the last: `owner` names the object counting (its id()), and a step across which
+    it changed (activation_offload="auto" swaps its first step's profiler for the pager after that
+    step) or across which the count fell (a reset) gives nothing, rather than a difference of two
+    counters. E.g. [(1, 0), (2, 0), (2, 5), (2, 10)] -> [5, 5]."""
+    return [b - a for (oa, a), (ob, b) in zip(samples, samples[1:]) if oa == ob and b >= a]
+
+
 def bandwidth_gbs(stream: dict[str, Any]) -> float:
     """The bandwidth a bound divides by: the best of stream_bench's non-temporal kernels (GB/s)."""
     figures = [float(stream[k]) for k in NT_KERNELS if isinstance(stream.get(k), (int, float))]

@@ -42,6 +42,14 @@ def test_the_bound_is_the_longer_of_gpu_and_host():
         stream.bound_s(0.1, 1e9, 0.0)
 
 
+def test_a_counters_growth_per_step_skips_a_change_of_counter_and_a_reset():
+    # activation_offload="auto": the first step's profiler (id 1) counts, then the pager (id 2) from
+    # zero; the H100 sweep of 2026-12-07 read the profiler only and recorded no activation bytes.
+    assert stream.growth_per_step([(1, 0), (1, 7), (2, 0), (2, 5), (2, 11)]) == [7, 5, 6]
+    assert stream.growth_per_step([(2, 9), (2, 3), (2, 4)]) == [1]  # reset_stats() between steps
+    assert stream.growth_per_step([(1, 0)]) == []
+
+
 def stream_bench_binary():
     path = stream.find_binary(None, os.environ.get("TSD_BIN"), ROOT)
     if path is None:
