@@ -155,6 +155,7 @@ class Session:
         # (share_auto.Pending; None once decided), and the buckets it moved into the share (their
         # ParamSlots stay in `params`, by bucket, but leave `by_param`: tsd gets no more gradients for them).
         self.auto_share: Any = None
+        self.act_refine: Any = None  # activation_offload="auto"'s pages, left for activation_auto.maybe_refine
         self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward
         self.moved: set[int] = set()
         self.retired_bytes = 0  # host memory tsd returned to its pool when the moved buckets retired

@@ -9,7 +9,7 @@ from typing import IO, Any, Callable, Optional, Union
 
 import torch
 
-from . import _state, gpushare, planner, share_auto
+from . import _state, activation_auto, gpushare, planner, share_auto
 from ._state_checks import check_state_dict
 from .allocator import budget_binds
 from .engine import ParamSlots, Session
@@ -81,6 +81,8 @@ class TsdAdamW(torch.optim.Optimizer):
             # A fixed activation_offload (True or a share): the pages its first step took count
             # against the host RAM as "auto"'s do.
             check_activation_host(s, s.arena.capacity_bytes)
+        if s.act_refine is not None:
+            activation_auto.maybe_refine(s)  # activation_offload="auto": the pages the settled plan has room for
         if s.offload == "auto" and s.steps >= 2 and s.offloading:
             maybe_switch_to_stock(self)  # decides once: offload becomes True, or the GPU share takes everything
         if s.auto_share is not None:
@@ -393,7 +395,9 @@ def decide_activation_offload(session: Session) -> None:
         page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                     why=" (activation_offload=auto after the first step: it paged them beside every block's "
                         "weights to fit a tight budget, and they stay paged so that the weight planner's measured "
-                        "peak holds)", min_bytes=prof.min_bytes)
+                        "peak holds; once its plan settles, those the peak has room for come back)",
+                    min_bytes=prof.min_bytes)
+        refine_later(session, prof, chosen)
         check_activation_host(session, session.arena.capacity_bytes if session.arena is not None else 0)
         return
     budget, peak = session.measured_vram()
@@ -431,6 +435,7 @@ def decide_activation_offload(session: Session) -> None:
         return
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                 why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
+    refine_later(session, prof, chosen)
     if session.cuda:
         # The first step's cached segments were cut for its own pattern (nothing, or other blocks,
         # paged); kept, they fragment the next steps' under a cap. Measured on the H100 (1.5B,
@@ -439,6 +444,17 @@ def decide_activation_offload(session: Session) -> None:
         budget_binds(session, f"activations of {len(chosen)} blocks are paged to fit the budget")
         torch.cuda.empty_cache()
     check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
+
+
+def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int]) -> None:
+    """Leaves the pages just chosen for activation_auto.maybe_refine, which brings back those the
+    settled plan's measured peak has room for; torch's peak restarts so that the next step measures
+    them (the weight planner resets it too, after each step it refines)."""
+    session.act_refine = activation_auto.Refine(
+        prof.model, prof.name, list(prof.blocks), list(chosen), list(prof.block_bytes), prof.min_bytes,
+        session.act_pager, session.steps)
+    if session.cuda and session.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(session.device)
 
 
 def check_activation_host(session: Session, nbytes: int) -> None:
@@ -486,9 +502,12 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     With param_offload="auto" the decision waits until the block planner's plan settled: settled
     with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
     settled with nothing paged, it is decided as if there were no pager, and a switch releases the
-    pager (no hook, plain parameters on the device). Once decided, `s.offload` is True or the
-    share holds everything, so it is decided once."""
+    pager (no hook, plain parameters on the device). It waits for activation_offload="auto"'s
+    refinement too (activation_auto.py). Once decided, `s.offload` is True or the share holds
+    everything, so it is decided once."""
     s = opt._session
+    if s.act_refine is not None:
+        return  # activation_offload="auto" brings back the pages the settled plan has room for first
     pager = s.pager
     if pager is not None:
         if pager.auto and s.planner is not None and not s.planner.done:

@@ -23,7 +23,7 @@ import torch
 from .client import Job, OptimizerLayout, Status
 from .errors import MemoryCheckFailed, Refusal
 from .gpushare import vram_cost
-from .units import MOMENT_DTYPES, format_bytes
+from .units import MOMENT_DTYPES, block_ranges, format_bytes
 
 # How much of the GPU's memory a run may plan to use (the rest is the allocator's slack).
 VRAM_HEADROOM = 0.9
@@ -549,5 +549,33 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
         why += (" (less than the excess, even with every block: lower the batch, use gradient checkpointing or "
                 "page weights with param_offload)")
     return chosen, why
+def activations_to_keep(peak: int, usable: int, chosen: Sequence[int], block_bytes: Sequence[int],
+                        margin: float) -> tuple[list[int], list[int], str]:
+    """`activation_offload="auto"`'s refinement once the memory plan has settled (activation_auto.py):
+    of the paged blocks `chosen`, the last ones (made last, needed first in backward) whose saved
+    bytes (`block_bytes`, by block index) fit under the `usable` VRAM less `margin` of it with the
+    measured `peak`, come back to the device: each adds its saved bytes to the peak at most (they
+    live from its forward to its backward, the peak is between). Returns (the blocks still paged,
+    those that come back, explanation)."""
+    room = usable - int(usable * margin) - peak
+    back: list[int] = []
+    total = 0
+    for i in reversed(chosen):
+        if total + block_bytes[i] > room:
+            break
+        back.append(i)
+        total += block_bytes[i]
+    back.reverse()
+    kept = [i for i in chosen if i not in set(back)]
+    why = (f"measured peak {format_bytes(peak)} of {format_bytes(usable)} usable VRAM, {format_bytes(max(0, room))} "
+           f"left less a {margin:.0%} margin")
+    if back:
+        why += (f": the saved activations of blocks {block_ranges(back)} ({format_bytes(total)}) stay on the device from "
+                f"now on, {format_bytes(total)} less host and PCIe traffic each way per step")
+    else:
+        why += ": no paged block's saved activations fit there"
+    return kept, back, why
+
+
 # The block planner of weight paging (param_offload="auto"), under the names TrainStream gives it here.
 from .blockplan import MemoryPlanner, spread  # noqa: E402,F401

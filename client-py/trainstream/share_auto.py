@@ -22,8 +22,9 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
 - when every parameter fits, it is `offload="auto"`'s switch (`optim.switch_to_device`): the job's
   memory in tsd is released;
 - the decision waits for a step whose memory plan is settled: the weight planner
-  (`param_offload="auto"`) done, and, where `activation_offload="auto"` began paging after the
-  first step, one more step measured with that paging (torch's peak is reset for it).
+  (`param_offload="auto"`) done, `activation_offload="auto"`'s pages refined (activation_auto.py),
+  and, where it began paging or changed its pages after the step before, one more step measured
+  with them (torch's peak is reset for it).
 
 Data parallel keeps the estimate at wrap() (`gpushare.vram_room`): the node's ranks share one
 registration and agree on the share before it exists.
@@ -69,8 +70,8 @@ def maybe_decide(opt: "TsdAdamW") -> None:
         return
     if s.planner is not None and not getattr(s.planner, "done", False):
         return  # the weight planner is still moving blocks: its peak is not the run's yet
-    if isinstance(s.act_pager, ActivationProfiler):
-        return  # activation_offload="auto" has not decided yet
+    if isinstance(s.act_pager, ActivationProfiler) or s.act_refine is not None:
+        return  # activation_offload="auto" has not decided yet, or will bring pages back first
     if isinstance(s.act_pager, ActivationPager) and s.act_pager is not pending.seen_pager:
         pending.seen_pager = s.act_pager  # paging began after this step: measure one step with it
         if s.cuda:

@@ -377,7 +377,7 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
     prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 2, True
     # Measured 1050 MiB with 200 MiB paged: unpaged 1250 MiB, 250 MiB over the 1000 MiB limit.
     session = SimpleNamespace(
-        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[],
+        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
         arena=PinnedHost(pin=False), memory_plan=None, check_memory=False,
         planner=object() if weights else None, pager=SimpleNamespace(reinstall=lambda: None) if weights else None,
         measured_vram=lambda: (Budget(vram_usable=1100 * MiB), 1050 * MiB))
@@ -396,6 +396,92 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
     if weights:
         assert any("the weight planner refines from that step's peak" in e for e in session.events), session.events
     pager.remove()
+
+
+def test_activations_to_keep_brings_back_the_last_paged_blocks_that_fit():
+    per = 100 * MiB
+    # 1000 MiB usable, 5% margin: 950 MiB; a 700 MiB peak leaves 250 MiB: blocks 2 and 1 come back.
+    kept, back, why = planner.activations_to_keep(700 * MiB, 1000 * MiB, [0, 1, 2], [per] * 4, 0.05)
+    assert (kept, back) == ([0], [1, 2]), why
+    assert "blocks 1-2 (200.00 MiB) stay on the device" in why and "250.00 MiB left less a 5% margin" in why
+    # The last block first: a larger one that does not fit keeps the ones before it paged too.
+    kept, back, why = planner.activations_to_keep(700 * MiB, 1000 * MiB, [0, 1, 2], [per, per, 3 * per, 0], 0.05)
+    assert (kept, back) == ([0, 1, 2], []) and "no paged block's saved activations fit there" in why
+    # Over the target already: nothing comes back (the room is shown as 0).
+    kept, back, why = planner.activations_to_keep(990 * MiB, 1000 * MiB, [0, 1], [per] * 2, 0.05)
+    assert back == [] and "0 B left" in why
+    # Room for all of them.
+    assert planner.activations_to_keep(0, 1000 * MiB, [0, 1, 2], [per] * 3, 0.05)[:2] == ([], [0, 1, 2])
+
+
+@pytest.mark.parametrize("room_for", [2, 3])
+def test_activation_pages_come_back_once_the_plan_settles(room_for):
+    """activation_offload="auto" after its first decision (3 of 4 blocks paged, as many bytes as a
+    first step paged by itself): it waits for a step run with the pages and for the weight planner
+    to settle, then brings back the last paged blocks the measured peak has room for, once; the
+    GPU share and offload="auto"'s switch wait for it. Gradients stay bit-identical."""
+    from types import SimpleNamespace
+    from trainstream import activation_auto, share_auto
+    from trainstream.memory import PinnedHost
+    from trainstream.allocator import SegmentSwitch
+    from trainstream.optim import decide_activation_offload, maybe_switch_to_stock
+    from trainstream.planner import Budget
+    from trainstream.units import format_bytes
+
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    per = 100 * MiB
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB, min_bytes=1)
+    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 1, True
+    weights_plan = SimpleNamespace(done=False)
+    measured = {"peak": 1050 * MiB}
+    session = SimpleNamespace(
+        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
+        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False, planner=weights_plan,
+        pager=SimpleNamespace(reinstall=lambda: None, auto=True, paged=set(), blocks=[]),
+        measured_vram=lambda: (Budget(vram_usable=2000 * MiB), measured["peak"]), auto_share=None, offloading=True)
+    session.segments = SegmentSwitch("auto", cuda=True, setter=lambda _: None, env={}, release=lambda: None)
+    decide_activation_offload(session)
+    first = session.act_pager
+    assert [i for i, b in enumerate(model.layers) if b in first.blocks] == [0, 1, 2]
+    assert session.act_refine is not None and session.act_refine.pager is first
+    # Right after the decision no step has run with the pages; then the weight planner is not done.
+    activation_auto.maybe_refine(session)
+    session.steps = 2
+    activation_auto.maybe_refine(session)
+    assert session.act_pager is first and session.act_refine is not None
+    # Meanwhile the GPU share and offload="auto"'s switch wait (they would measure stale pages).
+    session.auto_share = share_auto.Pending([], frozenset(), "float32")
+    opt = SimpleNamespace(_session=session)
+    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+    maybe_switch_to_stock(opt)  # type: ignore[arg-type]
+    assert session.auto_share is not None and not hasattr(session, "offload")
+    # Settled: 2000 MiB usable less 5% = 1900 MiB; the peak leaves room for `room_for` blocks.
+    weights_plan.done = True
+    measured["peak"] = 1900 * MiB - room_for * per - per // 2
+    activation_auto.maybe_refine(session)
+    assert session.act_refine is None
+    now = session.act_pager
+    paged = [i for i, b in enumerate(model.layers) if now is not None and b in now.blocks]
+    assert paged == ([0] if room_for == 2 else []), session.events
+    assert session.activation_host_bytes == len(paged) * per
+    assert any("activation_offload=auto after step 2: measured peak" in e and
+               f"blocks {'1-2' if room_for == 2 else '0-2'} ({format_bytes(3 * per - len(paged) * per)}) stay on "
+               f"the device" in e for e in session.events), session.events
+    # The old pager's hooks are gone: a step pages only what the new one does, bit for bit the same.
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    assert first.paged_tensors == 0
+    assert (now.paged_tensors > 0) if now is not None else True
+    # Once: a later step changes nothing.
+    measured["peak"] = 0
+    activation_auto.maybe_refine(session)
+    assert session.act_pager is now
+    if now is not None:
+        now.remove()
 
 
 def test_head_bytes_counts_the_logits_and_the_loss_of_a_language_model_head():
@@ -682,7 +768,7 @@ def test_paging_profiler_refuses_clearly_what_tsd_cannot_lend_and_the_step_runs_
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     assert prof.block_bytes == [per_block] * 4
     s = SimpleNamespace(act_pager=prof, arena=host, device=torch.device("cpu"), pager=None, events=[],
-                        memory_plan=None, check_memory=True, activation_host_bytes=0)
+                        memory_plan=None, check_memory=True, activation_host_bytes=0, steps=1, cuda=False)
     decide_activation_offload(s)
     assert s.act_pager is not prof and list(s.act_pager.blocks) == list(model.layers)
     assert "stay paged so that the weight planner's measured peak holds" in s.events[-1], s.events

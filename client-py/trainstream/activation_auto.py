@@ -1,0 +1,86 @@
+"""`activation_offload="auto"` after its first decision: the pages the settled plan has room for
+come back to the device, once.
+
+The decision after the first step (`optim.decide_activation_offload`) pages for a peak it could
+only estimate. When the first step began paging by itself, it keeps as many bytes paged as that
+step did (the weight planner answers for the measured peak's excess), and that step's target held a
+reserve for the language model's head taken before any logits existed. Measured on the H100
+(Qwen2.5-1.5B, 8x512, a 16 GiB cap): 27 of 28 blocks paged, 10.97 GiB out and back every step, for a
+peak of 10.34 GiB of the 14.40 GiB usable. The 3.3 GiB left idle would have held 8 of those blocks,
+about 7 GB less host-memory and PCIe traffic per step, and the forward waited on those copies.
+
+So once the memory plan has settled (`param_offload="auto"`: the weight planner `done`) and a step
+has run with the pages, the measured peak's room under the usable VRAM less the planner's margin
+takes back the last paged blocks (made last, needed first in backward) whose saved bytes fit in it
+(`planner.activations_to_keep`). It decides once. The GPU share (`optimizer_gpu_fraction="auto"`)
+decides after it, with one step measured with the new pages (share_auto.py). Results are bit-
+identical either way: paging moves the saved tensors, it does not change them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+
+from . import planner
+from .blockplan import MARGIN
+from .paging.activations import page_blocks
+
+if TYPE_CHECKING:
+    from .engine import Session
+
+__all__ = ["Refine", "maybe_refine"]
+
+
+@dataclasses.dataclass
+class Refine:
+    """What the decision after the first step leaves for the refinement: the model's block stack
+    (`name`, `blocks`), the blocks it paged (`chosen`, indices into `blocks`), the bytes each block
+    saved (the profiler's measurement), the pager's `min_bytes`, the pager it installed for them
+    and the step after which it did (`after_step`)."""
+
+    model: nn.Module
+    name: Optional[str]
+    blocks: list[nn.Module]
+    chosen: list[int]
+    block_bytes: list[int]
+    min_bytes: int
+    pager: Any
+    after_step: int
+
+
+def maybe_refine(session: "Session") -> None:
+    """After a step: brings back the paged blocks the measured peak leaves room for, when a step
+    has run with the pages and the weight plan (if any) has settled; else waits for the next step.
+    Decides once; a pager installed since by anything else cancels it."""
+    pending: Optional[Refine] = getattr(session, "act_refine", None)
+    if pending is None:
+        return
+    if session.act_pager is not pending.pager:
+        session.act_refine = None  # the pages were changed by something else: nothing to refine
+        return
+    weights_plan = getattr(session, "planner", None)
+    if weights_plan is not None and not getattr(weights_plan, "done", False):
+        return  # the weight planner is still moving blocks: its peak is not the run's yet
+    if session.steps <= pending.after_step:
+        return  # no step has run with the pages yet
+    session.act_refine = None
+    budget, peak = session.measured_vram()
+    usable = budget.vram_usable
+    if usable is None:
+        return
+    kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN)
+    head = f"activation_offload=auto after step {session.steps}: {why}"
+    if not back:
+        session.events.append(f"{head}; the pages stay as they are")
+        return
+    old: Any = pending.pager
+    session.act_pager = None
+    old.remove()
+    if kept:
+        page_blocks(session, pending.model, pending.name, pending.blocks, kept, why=f" ({head})",
+                    min_bytes=pending.min_bytes)
+    else:
+        session.events.append(f"{head}; no block's activations are paged from now on")
+    session.activation_host_bytes = sum(pending.block_bytes[i] for i in kept)
