@@ -110,6 +110,10 @@ def test_cuda_activation_offload_is_bit_identical_and_lowers_the_peak(tsd):
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
             paged = pager.paged_bytes if pager is not None else 0
+            if act:
+                # Every block is paged: the backward of blocks 3, 2 and 1 starts the copies back of
+                # blocks 2, 1 and 0 ahead of their unpack, in every step.
+                assert pager.prefetched_tensors >= 5 * 3, pager.prefetched_tensors
             params = [p.detach().clone() for p in model.parameters()]  # bf16 working copies
             if act:
                 arena = session.arena

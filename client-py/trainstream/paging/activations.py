@@ -6,9 +6,13 @@ tensors"); for a transformer these are most of the training memory that is not w
 paged block runs its forward, `torch.autograd.graph.saved_tensors_hooks` hands each saved tensor
 to `ActivationPager.pack`, which starts a copy into a host block on a side stream and returns a
 `_Page` in its place, so the GPU memory is freed as soon as the forward no longer uses the tensor
-and the copy is done. In backward, `unpack` copies it back on the current stream, right before the
-operation that needs it (the first blocks are paged: their backward runs last, when the
-optimizer, not the GPU, sets the step's pace).
+and the copy is done. In backward, the first unpack of a paged block's tensors starts the copies
+back of the paged block before it (the next whose backward runs) on the side stream, so they
+overlap this block's backward; `unpack` waits for its own tensor's copy on the current stream, or
+copies it there when none was started (the first paged block of a backward, a tensor saved outside
+a block's forward). Measured on the H100 before the copies ran ahead (1.5B, 8x512, 19 of 28
+blocks paged): backward took 333 ms, with every copy back (416 MiB a block) in series with the
+block's kernels.
 
 Host blocks come from `host` (`trainstream.memory`): under `wrap()`, the session's `HostArena`,
 whose regions tsd lends (CUDA-registered, charged to the job's quota, shown by `tsctl`); a pager
@@ -26,6 +30,7 @@ included) runs and is tested.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -59,7 +64,8 @@ class _Page:
     touched the block, and what it takes to rebuild the tensor on the device. The block goes back
     to its allocator when autograd drops the page."""
 
-    __slots__ = ("block", "host", "event", "size", "stride", "dtype", "device", "uses", "cached")
+    __slots__ = ("block", "host", "event", "size", "stride", "dtype", "device", "uses", "cached", "ahead", "owner",
+                 "__weakref__")
 
     def __init__(self, block: HostBlock, host: torch.Tensor, event: Optional[torch.cuda.Event], t: torch.Tensor) -> None:
         self.block: Optional[HostBlock] = block
@@ -68,6 +74,8 @@ class _Page:
         self.size, self.stride, self.dtype, self.device = t.size(), t.stride(), t.dtype, t.device
         self.uses = 1        # operations that saved this tensor (unpacks to expect)
         self.cached: Optional[torch.Tensor] = None  # back on the device, while more unpacks are expected
+        self.ahead: Optional[torch.Tensor] = None   # copied back ahead of its unpack (its copy's event is `event`)
+        self.owner = -1  # the index of the paged block whose forward saved it, -1: none
 
     def __del__(self) -> None:
         block, self.block = self.block, None
@@ -149,6 +157,13 @@ class ActivationPager:
         self.outside_looks = 0  # how many times the model's parameters were walked (a test reads it)
         self.paged_bytes = 0
         self.paged_tensors = 0
+        # The pages each paged block's last forward made (weak: autograd owns them), for the copies
+        # back started ahead of that block's backward; the block whose pages were last unpacked.
+        self._index = {id(b): i for i, b in enumerate(self.blocks)}
+        self.block_pages: list[list[weakref.ref[_Page]]] = [[] for _ in self.blocks]
+        self._owners: list[int] = []  # the paged blocks running forward (nested: the innermost last)
+        self._unpacking = -1
+        self.prefetched_tensors = 0  # copies back started ahead of their unpack (a test reads it)
 
     # ---- hooks
     def install(self) -> None:
@@ -191,6 +206,10 @@ class ActivationPager:
             own = list(module.parameters())
             self.keep_ptrs = self.outside_keep[0] | {p.untyped_storage().data_ptr() for p in own}
             self.keep_shapes = self.outside_keep[1] | {tuple(p.shape) for p in own}
+        i = self._index.get(id(module), -1)
+        if i >= 0:
+            self.block_pages[i] = []  # a new forward of the block (or its recomputation)
+        self._owners.append(i)
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self.hook_ctx.append(ctx)
@@ -206,6 +225,8 @@ class ActivationPager:
         ctx = self.hook_ctx.pop() if self.hook_ctx else None
         if ctx is not None:
             ctx.__exit__(None, None, None)
+            if self._owners:
+                self._owners.pop()
         if not self.hook_ctx:
             self.current.clear()  # the block's tensors may be freed now (once their copies are done)
 
@@ -238,6 +259,9 @@ class ActivationPager:
             block.release()  # nothing was queued on it (a failed copy), or the CPU copy is done
             raise
         page = _Page(block, host, event, t)
+        if self._owners and self._owners[-1] >= 0:
+            page.owner = self._owners[-1]
+            self.block_pages[page.owner].append(weakref.ref(page))
         self.current[key] = (t, page)
         self.paged_bytes += t.numel() * t.element_size()
         self.paged_tensors += 1
@@ -262,8 +286,18 @@ class ActivationPager:
         if not isinstance(page, _Page):
             return page
         page.uses -= 1
+        if self.cuda and page.owner >= 0 and page.owner != self._unpacking:
+            # The first unpack of this block's pages in this backward: the paged block before it
+            # runs its backward next; its copies back start now, beside this block's kernels.
+            self._unpacking = page.owner
+            if page.owner > 0:
+                self._copy_ahead(page.owner - 1)
         out = page.cached
-        if out is None:
+        if out is None and page.ahead is not None:
+            out, page.ahead = page.ahead, None
+            assert page.event is not None  # the copy back's
+            torch.cuda.current_stream(page.device).wait_event(page.event)
+        elif out is None:
             assert page.host is not None  # dropped only with the page
             if self.cuda:
                 assert page.event is not None
@@ -278,6 +312,31 @@ class ActivationPager:
         # One copy back serves every operation that saved the tensor; the last one lets it go.
         page.cached = out if page.uses > 0 else None
         return out
+
+
+    def _copy_ahead(self, i: int) -> None:
+        """Starts the copies back of paged block `i`'s pages on the side stream (device memory
+        from the current stream, which the side stream waits for; their events gate both the
+        unpack and the host block's return)."""
+        stream = self.stream
+        assert stream is not None
+        current = torch.cuda.current_stream(self.device)
+        started = False
+        for ref in self.block_pages[i]:
+            page = ref()
+            if page is None or page.host is None or page.cached is not None or page.ahead is not None:
+                continue
+            if not started:
+                stream.wait_stream(current)  # the memory below may have been the current stream's
+                started = True
+            out = torch.empty_strided(page.size, page.stride, dtype=page.dtype, device=page.device)
+            with torch.cuda.stream(stream):
+                out.copy_(page.host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            out.record_stream(stream)  # a page dropped before its unpack frees it only after the copy
+            page.ahead, page.event = out, event
+            self.prefetched_tensors += 1
 
 
 class ActivationProfiler(ActivationPager):
