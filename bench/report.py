@@ -564,8 +564,9 @@ def render_scaling(block: Block, records: list[dict[str, Any]], img_dir: str, pl
 
 
 def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of `records` in which each record of a run that measured STREAM (its `stream` record's
-    `bandwidth_gbs`) and carries host bytes per step also carries its bound, as finetune_bench
+    """Copies of `records` in which each record of a run that measured STREAM (the highest
+    `bandwidth_gbs` of its `stream` records: stream.best_of) and carries host bytes per step also
+    carries its bound, as finetune_bench
     prints it: `host_s` (host bytes per step / STREAM), `bound_s` (the longer of that and the GPU's
     forward + backward: the median of stock's in the same run where it ran (its whole step where
     only that was timed), else the record's own)
@@ -580,7 +581,8 @@ def add_bounds(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     links: dict[str, dict[str, Any]] = {}  # run -> its PCIe figures
     for run_id, run in by_run.items():
         ok = [x for x in run if x["status"] == "ok"]
-        bw = next((x["values"].get("bandwidth_gbs") for x in ok if x["mode"] == "stream"), None)
+        best = stream.best_of([x["values"] for x in ok if x["mode"] == "stream" and x["values"].get("bandwidth_gbs")])
+        bw = best["bandwidth_gbs"] if best else None
         per_run[run_id] = (bw, stream.stock_gpu_s([x["values"] for x in ok if x["mode"] == "stock"]))
         link = next((x["values"] for x in ok if x["mode"] == "pcie"), None)
         if link:

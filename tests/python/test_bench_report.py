@@ -453,6 +453,14 @@ def test_a_tsd_modes_bound_is_its_host_bytes_at_stream_speed_or_stocks_forward_a
     assert report.add_bounds([stream, tsd, slow])[1]["values"]["bound_s"] == pytest.approx(0.8)
     # A run without STREAM claims no bound.
     assert "bound_s" not in report.add_bounds([tsd])[0]["values"]
+    # Measured twice (before and after the modes): the higher figure, the lower bound.
+    again = rec("r", 3, "stream", None)
+    again["values"] = {"bandwidth_gbs": 125.0}
+    assert report.add_bounds([stream, tsd, again])[1]["values"]["host_s"] == pytest.approx(0.4)
+    import stream as stream_mod
+    best = stream_mod.best_of([stream["values"], None, again["values"]])
+    assert best is not None and best["bandwidth_gbs"] == 125.0 and best["samples_gbs"] == [100.0, 125.0]
+    assert stream_mod.best_of([None]) is None
 
 
 def test_the_pcie_term_is_the_steps_copies_at_the_measured_bandwidths():
