@@ -549,6 +549,8 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
         why += (" (less than the excess, even with every block: lower the batch, use gradient checkpointing or "
                 "page weights with param_offload)")
     return chosen, why
+
+
 def activations_to_keep(peak: int, usable: int, chosen: Sequence[int], block_bytes: Sequence[int],
                         margin: float) -> tuple[list[int], list[int], str]:
     """`activation_offload="auto"`'s refinement once the memory plan has settled (activation_auto.py):
@@ -566,7 +568,8 @@ def activations_to_keep(peak: int, usable: int, chosen: Sequence[int], block_byt
         back.append(i)
         total += block_bytes[i]
     back.reverse()
-    kept = [i for i in chosen if i not in set(back)]
+    returning = set(back)
+    kept = [i for i in chosen if i not in returning]
     why = (f"measured peak {format_bytes(peak)} of {format_bytes(usable)} usable VRAM, {format_bytes(max(0, room))} "
            f"left less a {margin:.0%} margin")
     if back:

@@ -313,7 +313,6 @@ class ActivationPager:
         page.cached = out if page.uses > 0 else None
         return out
 
-
     def _copy_ahead(self, i: int) -> None:
         """Starts the copies back of paged block `i`'s pages on the side stream (device memory
         from the current stream, which the side stream waits for; their events gate both the
@@ -375,7 +374,6 @@ class ActivationProfiler(ActivationPager):
         self.started_at: Optional[int] = None  # the block where paging started by itself
         self.rows = output_rows(model) if self.limit is not None else None  # the LM head's outputs per token
         self.block_bytes = [0] * len(self.blocks)
-        self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._running: list[tuple[int, int]] = []  # (block, bytes so far) of the forwards running
         self._seen: dict[tuple, torch.Tensor] = {}   # what the running forward saved (counted once)
         self.forwards = 0
