@@ -125,7 +125,8 @@ def host_bandwidth() -> float:
 @dataclasses.dataclass(frozen=True)
 class ShareChoice:
     """Which parameters the GPU share holds (`ids`: their `id()`), how many elements (`numel`, of
-    `total`), their VRAM (`vram_bytes`), the option it came from and why (a sentence)."""
+    `total`), their VRAM (`vram_bytes`), the option it came from, why (a sentence) and how many
+    candidates "auto" passed over as too large for the room (`passed`, only without `prefix`)."""
 
     ids: frozenset[int]
     numel: int
@@ -133,6 +134,7 @@ class ShareChoice:
     vram_bytes: int
     option: Fraction
     why: str
+    passed: int = 0
 
     @property
     def fraction(self) -> float:
@@ -150,13 +152,16 @@ def vram_room(budget: "Budget", demand: "Demand") -> Optional[int]:
 
 
 def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room: Optional[int],
-           excluded: Iterable[int] = (), moment_dtype: str = "float32", limit: Optional[int] = None) -> ShareChoice:
+           excluded: Iterable[int] = (), moment_dtype: str = "float32", limit: Optional[int] = None,
+           prefix: bool = True) -> ShareChoice:
     """The share for `option` (checked by check_fraction). `trainable`: each trainable parameter
     with its working copy's bytes per element, in wrap()'s bucket order (backward order: the last
     finish last); `room`: `vram_room()` (for "auto"); `excluded`: ids that must stay in tsd (paged
-    blocks). The share is always the first tensors of the candidates (the last to finish), so
-    `limit` (at most that many tensors: data parallel's ranks agreeing on the smallest "auto"
-    share) keeps a prefix of what it would have been."""
+    blocks). With `prefix` the share is the first tensors of the candidates (the last to finish)
+    and "auto" stops at the first that does not fit, so `limit` (at most that many tensors: data
+    parallel's ranks agreeing on the smallest "auto" share) keeps a prefix of what it would have
+    been. Without it (one rank deciding alone, share_auto) "auto" passes over a tensor that does
+    not fit (a large tied embedding, first in line) and goes on with the next ones."""
     skip = set(excluded)
     total = sum(p.numel() for p, _ in trainable)
     candidates = [(p, w) for p, w in reversed(trainable) if id(p) not in skip]
@@ -168,10 +173,15 @@ def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room
         if room is None:
             return ShareChoice(frozenset(), 0, total, 0, option, "optimizer_gpu_fraction=auto: no VRAM budget (the "
                                "device is the CPU): everything stays in tsd")
+        misfits = passed = 0  # passed: the misfits before a tensor taken after them (prefix=False)
         for p, w in candidates:
             cost = vram_cost(p.numel(), w)
             if vram + cost > room:
-                break
+                if prefix:
+                    break
+                misfits += 1
+                continue
+            passed = misfits
             ids.append(id(p))
             numel += p.numel()
             vram += cost
@@ -180,19 +190,20 @@ def choose(option: Fraction, trainable: Sequence[tuple[torch.Tensor, int]], room
         why = (f"optimizer_gpu_fraction=auto: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) on the device, "
                f"{format_bytes(vram)} of the {format_bytes(room)} of VRAM left after the weights, gradients in flight "
                f"and the activation reserve; tsd's share takes about {host_s * 1e3:.1f} ms of host time per step "
-               f"({host_bytes_per_param(moment_dtype)} B/parameter at {host_bandwidth() / 1e9:.1f} GB/s measured)")
-    else:
-        target = float(option) * total
-        for p, w in candidates:
-            n = p.numel()
-            if option != 1.0 and numel + n / 2 > target:
-                break
-            ids.append(id(p))
-            numel += n
-            vram += vram_cost(n, w)
-        kept = f" ({len(skip)} parameters of pageable blocks stay in tsd)" if skip and option != 0.0 else ""
-        why = (f"optimizer_gpu_fraction={option}: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) "
-               f"on the device, {format_bytes(vram)} of VRAM{kept}")
+               f"({host_bytes_per_param(moment_dtype)} B/parameter at {host_bandwidth() / 1e9:.1f} GB/s measured)"
+               + (f"; passed over {passed} tensors too large for the room left" if passed else ""))
+        return ShareChoice(frozenset(ids), numel, total, vram, option, why, passed)
+    target = float(option) * total
+    for p, w in candidates:
+        n = p.numel()
+        if option != 1.0 and numel + n / 2 > target:
+            break
+        ids.append(id(p))
+        numel += n
+        vram += vram_cost(n, w)
+    kept = f" ({len(skip)} parameters of pageable blocks stay in tsd)" if skip and option != 0.0 else ""
+    why = (f"optimizer_gpu_fraction={option}: {numel:,} of {total:,} parameters ({numel / max(1, total):.0%}) "
+           f"on the device, {format_bytes(vram)} of VRAM{kept}")
     return ShareChoice(frozenset(ids), numel, total, vram, option, why)
 
 

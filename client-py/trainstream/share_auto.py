@@ -9,7 +9,8 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
 
 - the room is the usable VRAM less the measured peak less `blockplan.MARGIN` of it (the margin
   the block planner keeps), and the share takes the last-finishing parameters that fit in it,
-  each costing what `gpushare.vram_cost` counts (its fp32 moments, fp32 gradient and, for a
+  passing over one that does not (a tied embedding larger than the room, first in line) for the
+  next ones, each costing what `gpushare.vram_cost` counts (its fp32 moments, fp32 gradient and, for a
   working copy that is not fp32, its master) -- the same choice `gpushare.choose` makes;
 - the moved parameters' masters, moments and step counts come from a snapshot of just their
   buckets (the daemon's save_state with a bucket list), so the
@@ -87,7 +88,7 @@ def maybe_decide(opt: "TsdAdamW") -> None:
         return
     room = max(0, usable - peak - int(usable * MARGIN))
     in_tsd = [(p, w) for p, w in pending.trainable if id(p) in s.by_param]
-    choice = gpushare.choose("auto", in_tsd, room, pending.excluded, pending.moment_dtype)
+    choice = gpushare.choose("auto", in_tsd, room, pending.excluded, pending.moment_dtype, prefix=False)
     measured = (f"after step {s.steps}: measured peak {format_bytes(peak)} of {format_bytes(usable)} usable VRAM, "
                 f"{format_bytes(room)} left less a {MARGIN:.0%} margin")
     if not choice.ids:
@@ -104,7 +105,8 @@ def maybe_decide(opt: "TsdAdamW") -> None:
     s.events.append(f"optimizer_gpu_fraction=auto {measured}: moved {choice.numel:,} of the {choice.total:,} "
                     f"parameters tsd held ({choice.numel / max(1, choice.total):.0%}) to the device, "
                     f"{format_bytes(choice.vram_bytes)} of VRAM; tsd's share takes about {host_s * 1e3:.1f} ms of "
-                    f"host time per step")
+                    f"host time per step"
+                    + (f"; passed over {choice.passed} tensors too large for that room" if choice.passed else ""))
 
 
 def move(opt: "TsdAdamW", ids: frozenset[int]) -> None:

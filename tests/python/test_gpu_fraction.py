@@ -116,6 +116,27 @@ def test_share_takes_the_parameters_that_finish_last(tsd):
         trainstream.unwrap(model)
 
 
+def test_auto_passes_over_a_tensor_too_large_only_when_deciding_alone():
+    """"auto" from a measured step (one rank) passes over a first candidate larger than the room
+    (a tied embedding) and takes the next ones that fit; the prefix form (data parallel's ranks
+    agreeing on a count) stops there, so `limit` keeps a prefix."""
+    from trainstream import gpushare
+    # Backward order: blocks last to first, the embedding registered first (finishes last).
+    emb, b0, b1, b2 = (torch.zeros(n) for n in (4000, 100, 100, 100))
+    trainable = [(b2, 4), (b1, 4), (b0, 4), (emb, 4)]
+    room = 3 * gpushare.vram_cost(100, 4) + 1
+    alone = gpushare.choose("auto", trainable, room, prefix=False)
+    assert alone.ids == frozenset({id(b0), id(b1), id(b2)}) and alone.numel == 300
+    assert "passed over 1 tensors" in alone.why and alone.passed == 1
+    two = gpushare.choose("auto", trainable, 2 * gpushare.vram_cost(100, 4), prefix=False)
+    assert two.ids == frozenset({id(b0), id(b1)})  # the earliest to finish stays in tsd
+    ranked = gpushare.choose("auto", trainable, room)
+    assert ranked.ids == frozenset() and ranked.numel == 0 and "passed over" not in ranked.why
+    # A room for nothing passes over everything and says nothing about it.
+    none = gpushare.choose("auto", trainable, 10, prefix=False)
+    assert none.ids == frozenset() and "passed over" not in none.why
+
+
 def half_budget(model):
     """A VRAM budget whose room (less blockplan.MARGIN) holds about half of the parameters' share
     costs (fp32 working copies: 12 bytes each, moments and gradient) on a CPU device, where the
@@ -220,14 +241,18 @@ def test_auto_with_param_dtype_gives_fp32_back(tsd):
 
     def keep(model, opt):
         dtypes["during"] = {p.dtype for p in model.parameters()}
-        dtypes["returned"] = trainstream.unwrap_session(model).retired_bytes
+        s = trainstream.unwrap_session(model)
+        dtypes["returned"] = s.retired_bytes
+        moved = sorted(s.moved)  # bucket indices; "auto" may pass over one too large for the room
+        dtypes["spans"] = 1 + sum(1 for a, b in zip(moved, moved[1:]) if b != a + 1)
     base, *_ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16)
     mine, _, _, _, (tensors, numel), _ = tsd_run(tsd, 6, 2, 1.0, param_dtype=torch.bfloat16,
                                                  optimizer_gpu_fraction="auto", budget=half_budget(ref), after=keep)
     assert tensors > 0 and dtypes["during"] == {torch.bfloat16}
     # The masters are not the parameter slots here: tsd returned them with the moments and the
-    # accumulator (4 + 8 + 4 bytes a parameter), less partial pages at the ends of each region's span.
-    assert numel * 16 - 2 * 4 * 4096 <= dtypes["returned"] <= numel * 16
+    # accumulator (4 + 8 + 4 bytes a parameter), less partial pages at the ends of each region's
+    # spans (one span per run of consecutive buckets moved).
+    assert numel * 16 - dtypes["spans"] * 2 * 4 * 4096 <= dtypes["returned"] <= numel * 16
     assert all(p.dtype == torch.float32 for p in mine.parameters())
     assert max_diff(base, mine) <= 2e-3
 
