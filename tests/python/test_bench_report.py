@@ -364,7 +364,13 @@ def test_mode_variants_set_the_entrys_settings():
     assert (w["vram_cap_gib"], w["clip"]) == (12.5, 1000.0)
     argv = fb.child_argv("stock:cap=24:clip=0", a)
     assert argv[argv.index("--cap-gib") + 1] == "24.0" and "--clip" not in argv  # clip 0: the peers' flag off
-    for bad, says in (("tsd:cap=0", "not a VRAM budget"), ("tsd:cap=x", "needs a number"),
+    # :ckpt: gradient checkpointing for that entry alone (the child's --grad-ckpt, the record's grad_ckpt).
+    name, s = fb.mode_settings("tsd_bf16_act:cap=12:ckpt", a)
+    assert s.grad_ckpt and not a.grad_ckpt and "--grad-ckpt" in fb.child_argv("tsd_bf16_act:cap=12:ckpt", a)
+    assert fb.workload("tsd_bf16_act:ckpt", a, {})["grad_ckpt"] and "grad_ckpt" not in fb.workload("tsd_bf16_act", a, {})
+    assert "--grad-ckpt" not in fb.child_argv("tsd_bf16_act:cap=12", a)
+    for bad, says in (("stock:ckpt", "peers' script"), ("ds_offload:ckpt", "peers' script"), ("tsd:ckpt=1", "unknown variant"),
+                      ("tsd:cap=0", "not a VRAM budget"), ("tsd:cap=x", "needs a number"),
                       ("tsd:clip=-1", "finite number >= 0"), ("tsd:cap", "unknown variant")):
         with pytest.raises(ValueError, match=says):
             fb.mode_settings(bad, a)

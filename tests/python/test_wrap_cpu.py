@@ -265,6 +265,49 @@ def test_activation_pager_keeps_weights_and_pages_shared_tensors_once():
     pager.remove()
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("profile", [False, True])
+def test_activation_pager_leaves_checkpointed_blocks_to_checkpointing(reentrant, profile):
+    """A block under gradient checkpointing keeps only its inputs and is recomputed in backward:
+    the pager (and the first step's profiler) leaves it alone, so it still runs twice a step and
+    nothing of it is paged or counted; the block beside it, not checkpointed, is paged as before.
+    Before, the pager's hooks over non-reentrant checkpointing's took every saved tensor it would
+    have dropped (the block ran once) and, with reentrant checkpointing, paged the recompute's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from trainstream.paging.activations import ActivationPager, ActivationProfiler
+
+    torch.manual_seed(0)
+    seq = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)) for _ in range(2)])
+    runs = [0, 0]
+    for i, blk in enumerate(seq):
+        blk.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def step():
+        h = checkpoint(seq[0], x, use_reentrant=reentrant)
+        seq[1](h).sum().backward()
+        grads = [p.grad.clone() for p in seq.parameters()] + [x.grad.clone()]
+        for p in [*seq.parameters(), x]:
+            p.grad = None
+        return grads
+
+    plain = step()
+    assert runs == [2, 1]  # checkpointing recomputes block 0
+    pager = (ActivationProfiler(seq, list(seq), "cpu", min_bytes=1, page=True) if profile
+             else ActivationPager(seq, list(seq), "cpu", min_bytes=1))
+    pager.install()
+    paged = step()
+    pager.remove()
+    assert runs == [4, 2]  # still recomputed under the pager
+    assert all(torch.equal(a, b) for a, b in zip(plain, paged))
+    # Block 1 alone is paged: its first Linear's input, the GELU's input and its output.
+    assert pager.paged_tensors == 3 and pager.paged_bytes == 3 * 64 * 256 * 4
+    if profile:
+        assert pager.block_bytes == [0, 3 * 64 * 256 * 4]
+    assert not pager.hook_ctx
+
+
 def test_activation_pager_looks_at_the_models_parameters_at_its_first_and_last_block_and_keeps_outside_weights():
     from trainstream.paging.activations import ActivationPager
 

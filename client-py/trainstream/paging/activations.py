@@ -24,6 +24,9 @@ unpaged one does. Kept on the device: weights (the storage of the block's own pa
 the model's parameters outside the block stack, and under autocast their cast copies; another
 block's weight saved here would be paged, a copy like any), tensors under `min_bytes`, views that
 do not cover their memory densely, and anything not on the device. A tensor saved by several operations (the normalised input of q, k and v) is paged once.
+A block under gradient checkpointing (or any saved-tensor hooks active when its forward starts,
+such as torch's `save_on_cpu`) is left to them: checkpointing keeps only the block's inputs and
+recomputes the rest in backward, where the pager does not page either.
 On `device="cpu"` the page is a plain copy: no memory is saved, but the path (host blocks
 included) runs and is tested.
 """
@@ -189,7 +192,7 @@ class ActivationPager:
         self.paged_bytes = self.paged_tensors = 0
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._owns_saved_tensors():
             self.hook_ctx.append(None)
             return
         # Parameters can be replaced between steps (param_dtype=, .to()), and a weight-paged
@@ -213,6 +216,19 @@ class ActivationPager:
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self.hook_ctx.append(ctx)
+
+    @staticmethod
+    def _owns_saved_tensors() -> bool:
+        """Whether the block starting its forward now keeps its saved tensors the usual way, so the
+        pager may take them: not when saved-tensor hooks are already active (gradient
+        checkpointing around the block, whose non-reentrant form keeps only the block's inputs and
+        recomputes the rest; torch's `save_on_cpu`), and not in a recompute during backward
+        (reentrant checkpointing), whose tensors its backward uses at once. Pushing the pager's
+        hooks over checkpointing's took the tensors it drops: measured on the CPU, the blocks then
+        ran once a step instead of twice, every saved tensor kept."""
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
     def _outside_keep(self) -> tuple[set[int], set[tuple[int, ...]]]:
         """The storage pointers and shapes of the model's parameters outside the block stack."""
