@@ -175,3 +175,43 @@ def test_offload_auto_switches_only_when_stock_adamw_fits(tsd, cap_mb, switches)
     assert res["offloading"] is (not switches)
     assert any(("switched" if switches else "keeps offloading") in e for e in res["events"])
     assert res["losses"][-1] < res["losses"][0]
+
+
+def test_cuda_activation_offload_leaves_checkpointed_blocks_to_checkpointing(tsd):
+    """Gradient checkpointing around blocks 0 and 2 (non-reentrant, as Hugging Face models run
+    it) with every block's activations paged: only blocks 1 and 3 are paged, the checkpointed
+    blocks are still recomputed (each runs twice a step), and the result is bit-identical to the
+    same checkpointed run without paging."""
+    from torch.utils.checkpoint import checkpoint
+
+    from gpt import GPT
+
+    class HalfCheckpointed(GPT):
+        def forward(self, idx):  # checkpoint around the block's call, hooks inside, as Hugging Face's layers
+            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for i, blk in enumerate(self.blocks):
+                x = checkpoint(blk, x, use_reentrant=False) if i % 2 == 0 and torch.is_grad_enabled() else blk(x)
+            return self.head(self.ln(x))
+
+    data = batches(3, batch=128, device="cuda")
+    out = {}
+    for act in (False, True):
+        torch.manual_seed(0)
+        model = HalfCheckpointed(d=256, layers=4, heads=4).cuda()
+        runs = [0] * 4
+        for i, blk in enumerate(model.blocks):
+            blk.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, offload=True, activation_offload=act)
+        pager = trainstream.unwrap_session(model).act_pager
+        try:
+            losses = train(model, opt, data, 3)
+            params = [p.detach().clone() for p in model.parameters()]
+            paged = pager.paged_tensors if pager is not None else 0
+        finally:
+            trainstream.unwrap(model)
+        out[act] = (losses, params, runs, paged)
+        print(f"activation_offload={act}: block forwards {runs}, paged tensors {paged}")
+    (l0, p0, r0, _), (l1, p1, r1, paged) = out[False], out[True]
+    assert r0 == r1 == [6, 3, 6, 3]
+    assert paged > 0 and l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
