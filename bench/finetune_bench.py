@@ -233,6 +233,7 @@ def child_argv(mode: str, a: argparse.Namespace, socket: Optional[str] = None) -
     return [sys.executable, os.path.abspath(__file__), "--mode", mode, "--socket", socket or a.socket or "", "--device", a.device,
             *(["--grad-ckpt"] if a.grad_ckpt else []),
             "--moment-dtype", a.moment_dtype, "--activation-offload", str(a.activation_offload),
+            "--activation-recompute", str(a.activation_recompute),
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []), *(["--save-restore"] if a.save_restore else []),
@@ -251,6 +252,8 @@ def workload(mode: str, a: argparse.Namespace, raw: dict[str, Any]) -> dict[str,
     if mode in TSD_MODES:
         w.update(moment_dtype=raw.get("moments", a.moment_dtype), param_dtype=raw.get("param_dtype"),
                  activation_offload=raw.get("activation_offload"), tsd_isa=raw.get("isa"),
+                 **({"activation_recompute": raw.get("activation_recompute")}
+                    if raw.get("activation_recompute") not in (None, False) else {}),
                  tsd_threads=raw.get("threads"), daemon_args=a.daemon_args, overlap_forward=a.overlap,
                  **({"param_offload": raw.get("param_offload")} if a.param_offload else {}),
                  **({"offload": a.offload} if a.offload != "true" else {}),
@@ -326,6 +329,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--moment-dtype", default="auto")
     ap.add_argument("--activation-offload", default="0.25",
                     help="share of the decoder layers the *_act modes page, or auto (default 0.25)")
+    ap.add_argument("--activation-recompute", default="false",
+                    help="the *_act modes' wrap(activation_recompute=): false (default), auto (recompute the blocks "
+                         "activation_offload=auto keeps paging once its plan settles), true or a fraction")
     ap.add_argument("--offload", default="true",
                     help="the tsd modes' wrap(offload=): true (default: the optimizer always in tsd) or auto (wrap's "
                          "default: stock AdamW on the GPU after two steps when it fits, e.g. LoRA adapters)")
@@ -384,11 +390,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if a.clip < 0 or a.cap_gib < 0 or a.sample_interval <= 0:
         ap.error("--clip and --cap-gib must be >= 0 and --sample-interval > 0")
     try:
-        option_value(a.activation_offload), option_value(a.param_offload or "false")
+        option_value(a.activation_offload), option_value(a.param_offload or "false"), option_value(a.activation_recompute)
         if option_value(a.offload) not in (True, "auto"):
             raise ValueError("--offload")
     except ValueError:
-        ap.error("--activation-offload and --param-offload take auto, true, false or a number; --offload true or auto")
+        ap.error("--activation-offload, --activation-recompute and --param-offload take auto, true, false or a number; "
+                 "--offload true or auto")
     a.modes_list, a.once_set = modes, frozenset(once)
     return a
 

@@ -1,7 +1,7 @@
 """The modes of `finetune_bench.py` and the settings of a --modes entry: which modes exist, what
 each needs and keeps in which precision, the interleaved order of a run's rounds, why a mode
 cannot run here, and the variants an entry may carry (MODE:uncapped, :cap=G, :clip=X,
-:overlap=on|off, :gpu=F|auto, :alloc=expandable, :threads=N, :ckpt)."""
+:overlap=on|off, :gpu=F|auto, :alloc=expandable, :threads=N, :ckpt, :recompute=V)."""
 from __future__ import annotations
 
 import argparse
@@ -74,7 +74,8 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
     :overlap=on|off (--overlap), :gpu=F|auto (--gpu-fraction), :alloc=expandable
     (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the child's environment), :threads=N (a
     tsd of its own started with --optimizer-threads N; the setting is `daemon_threads`), :ckpt
-    (the model's gradient checkpointing, --grad-ckpt, for this entry: modes this script runs), e.g.
+    (the model's gradient checkpointing, --grad-ckpt, for this entry: modes this script runs),
+    :recompute=auto|true|F (--activation-recompute, *_act modes), e.g.
     tsd_bf16_act:overlap=off beside tsd_bf16_act in one run. Raises ValueError for anything else."""
     name, *variants = mode.split(":")
     over: dict[str, Any] = {}
@@ -101,6 +102,12 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
             if not value.isdigit() or not 1 <= int(value) <= 4096:
                 raise ValueError(f"mode {mode!r}: threads={value} is not a thread count (an integer in 1..4096)")
             over["daemon_threads"] = int(value)
+        elif key == "recompute" and eq:
+            if not name.endswith("_act"):
+                raise ValueError(f"mode {mode!r}: recompute={value} sets activation_recompute, which the *_act modes "
+                                 f"pass (beside activation_offload); {name} is not one")
+            option_value(value)  # auto, true, false or a fraction
+            over["activation_recompute"] = value
         elif key == "ckpt" and not eq:
             if name in PEER_MODES or name in OFFLOAD_MODES:
                 raise ValueError(f"mode {mode!r}: ckpt turns on gradient checkpointing in the modes this script runs "
@@ -108,7 +115,7 @@ def mode_settings(mode: str, a: argparse.Namespace) -> tuple[str, argparse.Names
             over["grad_ckpt"] = True
         else:
             raise ValueError(f"mode {mode!r}: unknown variant {v!r} (uncapped, cap=G, clip=X, overlap=on|off, gpu=F|auto, "
-                             f"alloc={'|'.join(ALLOC_CONFS)}, threads=N, ckpt)")
+                             f"alloc={'|'.join(ALLOC_CONFS)}, threads=N, ckpt, recompute=auto|true|F)")
     return name, argparse.Namespace(**{**vars(a), **over})
 
 

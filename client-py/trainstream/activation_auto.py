@@ -26,11 +26,13 @@ from torch import nn
 from . import planner
 from .blockplan import MARGIN
 from .paging.activations import page_blocks
+from .paging.recompute import Recomputer
+from .units import block_ranges
 
 if TYPE_CHECKING:
     from .engine import Session
 
-__all__ = ["Refine", "maybe_refine"]
+__all__ = ["Refine", "maybe_refine", "recompute_blocks"]
 
 
 @dataclasses.dataclass
@@ -72,15 +74,32 @@ def maybe_refine(session: "Session") -> None:
         return
     kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN)
     head = f"activation_offload=auto after step {session.steps}: {why}"
-    if not back:
+    recompute = bool(kept) and getattr(session, "recompute_auto", False)
+    if not back and not recompute:
         session.events.append(f"{head}; the pages stay as they are")
         return
     old: Any = pending.pager
     session.act_pager = None
     old.remove()
-    if kept:
+    if recompute:
+        recompute_blocks(session, pending.blocks, kept, why=f" (activation_recompute=auto: instead of paging them; {head})")
+        kept = []
+    elif kept:
         page_blocks(session, pending.model, pending.name, pending.blocks, kept, why=f" ({head})",
                     min_bytes=pending.min_bytes)
     else:
         session.events.append(f"{head}; no block's activations are paged from now on")
     session.activation_host_bytes = sum(pending.block_bytes[i] for i in kept)
+
+
+def recompute_blocks(session: "Session", blocks: list[nn.Module], chosen: list[int], why: str = "") -> None:
+    """Recomputes blocks `chosen` of `blocks` in backward from now on (`paging.recompute`), beside
+    any the session recomputes already; logs it in the session's events."""
+    done = session.recompute
+    before = set(done.indices) if done is not None else set()
+    if done is not None:
+        done.remove()
+    session.recompute = Recomputer(blocks, sorted(before | set(chosen)))
+    session.recompute.install()
+    session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
+                          f"{len(blocks)}) are recomputed in backward, their forward's saved activations dropped{why}")

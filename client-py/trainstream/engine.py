@@ -156,6 +156,8 @@ class Session:
         # ParamSlots stay in `params`, by bucket, but leave `by_param`: tsd gets no more gradients for them).
         self.auto_share: Any = None
         self.act_refine: Any = None  # activation_offload="auto"'s pages, left for activation_auto.maybe_refine
+        self.recompute: Any = None  # paging.recompute.Recomputer: the blocks recomputed in backward
+        self.recompute_auto = False  # activation_recompute="auto": the refinement recomputes what stays paged
         self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward
         self.moved: set[int] = set()
         self.retired_bytes = 0  # host memory tsd returned to its pool when the moved buckets retired
@@ -499,6 +501,9 @@ class Session:
             else:
                 self.act_pager.remove()
                 self.act_pager = None
+        if self.recompute is not None and not keep_pager:  # the switch keeps it, as the pages: the peak had it
+            self.recompute.remove()
+            self.recompute = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import allocator, gpushare, planner, resume, share_auto
+from . import activation_auto, allocator, gpushare, planner, resume, share_auto
 from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
@@ -57,7 +57,7 @@ OPTIONS: dict[str, Any] = {
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0,
-    "expandable_segments": "auto", "clip_speculation": "auto"}
+    "expandable_segments": "auto", "clip_speculation": "auto", "activation_recompute": False}
 OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 
@@ -82,6 +82,8 @@ class _Prepared:
     gpu: list[tuple[torch.nn.Parameter, int, int]] = dataclasses.field(default_factory=list)
     gpu_dtypes: list[str] = dataclasses.field(default_factory=list)
     auto_share: Optional[share_auto.Pending] = None  # "auto": decided after a measured step (set by _plan)
+    # activation_recompute= naming blocks: (the stack's name, the stack, the block indices).
+    recompute_blocks: Optional[tuple[Optional[str], torch.nn.ModuleList, list[int]]] = None
 
     @property
     def norm_bucket(self) -> bool:
@@ -154,6 +156,15 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("optimizer_gpu_fraction keeps part of the optimizer's state in this process, which tsd "
                          "cannot keep for a later trainer: pass optimizer_gpu_fraction=0 with resume= or keep_for=")
     check_distributed(out["distributed"])
+    rec = out["activation_recompute"]
+    if rec is None:
+        out["activation_recompute"] = False
+    elif rec == "auto" and "activation_recompute" in options and out["activation_offload"] != "auto":
+        raise ValueError("activation_recompute='auto' recomputes the blocks activation_offload='auto' would keep "
+                         f"paging; with activation_offload={out['activation_offload']!r} name the blocks to recompute "
+                         "(True, a fraction or a list of block indices) or pass activation_recompute=False")
+    elif rec is not False and rec != "auto":
+        choose_blocks(rec, 1 << 30, "activation_recompute")  # its form; the indices against the model at prepare
     return out
 
 
@@ -306,6 +317,15 @@ def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: U
                              "has no nn.ModuleList of blocks; pass activation_offload=False")
         paged_blocks = (blocks_name, block_list, choose_blocks(act, len(block_list)))
 
+    rec = opts["activation_recompute"]
+    recompute = None
+    if rec is not False and rec != "auto":
+        blocks_name, block_list = find_blocks(model)
+        if block_list is None:
+            raise ValueError("activation_recompute recomputes blocks of the model's repeated stack, and this model has "
+                             "no nn.ModuleList of blocks; pass activation_recompute=False")
+        recompute = (blocks_name, block_list, choose_blocks(rec, len(block_list), "activation_recompute"))
+
     weight_blocks(model, opts["param_offload"])  # a model without a block stack is refused here
     trainable = _collect(optimizer)
     if not trainable:
@@ -318,7 +338,7 @@ def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: U
                      groups=[_hyper(g) for g in optimizer.param_groups],
                      amsgrad=any(g.get("amsgrad", False) for g in optimizer.param_groups),
                      maximize=any(g.get("maximize", False) for g in optimizer.param_groups),
-                     paged_blocks=paged_blocks, model=model)
+                     paged_blocks=paged_blocks, model=model, recompute_blocks=recompute)
 
 
 def _job_name(opts: dict[str, Any]) -> str:
@@ -554,6 +574,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
 
     for ps in session.params:
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
+    if prep.recompute_blocks is not None:
+        name, stack, chosen = prep.recompute_blocks
+        activation_auto.recompute_blocks(session, list(stack), chosen, why=f" ({name or 'the model'}'s, as asked)")
+    session.recompute_auto = opts["activation_recompute"] == "auto"
     if prep.paged_blocks is not None:
         page_blocks(session, model, *prep.paged_blocks)
     elif opts["activation_offload"] == "auto":

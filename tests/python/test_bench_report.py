@@ -369,7 +369,14 @@ def test_mode_variants_set_the_entrys_settings():
     assert s.grad_ckpt and not a.grad_ckpt and "--grad-ckpt" in fb.child_argv("tsd_bf16_act:cap=12:ckpt", a)
     assert fb.workload("tsd_bf16_act:ckpt", a, {})["grad_ckpt"] and "grad_ckpt" not in fb.workload("tsd_bf16_act", a, {})
     assert "--grad-ckpt" not in fb.child_argv("tsd_bf16_act:cap=12", a)
-    for bad, says in (("stock:ckpt", "peers' script"), ("ds_offload:ckpt", "peers' script"), ("tsd:ckpt=1", "unknown variant"),
+    # :recompute=V: wrap(activation_recompute=V) for an *_act entry.
+    name, s = fb.mode_settings("tsd_bf16_act:cap=12:recompute=auto", a)
+    argv = fb.child_argv("tsd_bf16_act:cap=12:recompute=auto", a)
+    assert s.activation_recompute == "auto" and argv[argv.index("--activation-recompute") + 1] == "auto"
+    assert fb.workload("tsd_bf16_act:recompute=auto", a, {"activation_recompute": "auto"})["activation_recompute"] == "auto"
+    assert "activation_recompute" not in fb.workload("tsd_bf16_act", a, {"activation_recompute": False})
+    for bad, says in (("tsd:recompute=auto", r"the \*_act modes"), ("tsd_bf16_act:recompute=x", "could not convert"),
+                      ("stock:ckpt", "peers' script"), ("ds_offload:ckpt", "peers' script"), ("tsd:ckpt=1", "unknown variant"),
                       ("tsd:cap=0", "not a VRAM budget"), ("tsd:cap=x", "needs a number"),
                       ("tsd:clip=-1", "finite number >= 0"), ("tsd:cap", "unknown variant")):
         with pytest.raises(ValueError, match=says):

@@ -215,3 +215,29 @@ def test_cuda_activation_offload_leaves_checkpointed_blocks_to_checkpointing(tsd
     (l0, p0, r0, _), (l1, p1, r1, paged) = out[False], out[True]
     assert r0 == r1 == [6, 3, 6, 3]
     assert paged > 0 and l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+
+
+def test_cuda_activation_recompute_is_bit_identical_beside_both_pagers(tsd):
+    """activation_recompute=[0, 2] beside every block's activations paged and blocks 1 and 2's
+    weights paged, bf16 weights under autocast as the benchmark runs: losses and parameters equal
+    the run that recomputes nothing, and the recomputed blocks page nothing."""
+    data = batches(4, batch=128, device="cuda")
+    out = {}
+    for rec in (False, [0, 2]):
+        model = make_gpt(0, d=256, layers=4, heads=4).cuda()
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
+                                      socket=tsd.socket, offload=True, param_dtype=torch.bfloat16,
+                                      activation_offload=True, param_offload=[1, 2], activation_recompute=rec)
+        session = trainstream.unwrap_session(model)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                losses = train(model, opt, data, 4)
+            params = [p.detach().float().cpu().clone() for p in model.state_dict().values()]
+            pages = [len(p) for p in session.act_pager.block_pages]
+        finally:
+            trainstream.unwrap(model)
+        out[bool(rec)] = (losses, params, pages)
+        print(f"activation_recompute={rec}: pages per block in the last forward {pages}")
+    (l0, p0, _), (l1, p1, pages) = out[False], out[True]
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert pages[0] == pages[2] == 0 and pages[1] > 0 and pages[3] > 0

@@ -111,23 +111,24 @@ def stack_of(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
     return list(blocks)
 
 
-def choose_blocks(option: Union[bool, float, Sequence[int]], count: int) -> list[int]:
-    """Indices of the blocks to page for an `activation_offload` value: True (all), a fraction
-    in (0, 1] (the first ceil(f * count) blocks: their activations are made first and needed
-    last), or a list of block indices."""
+def choose_blocks(option: Union[bool, float, Sequence[int]], count: int, what: str = "activation_offload") -> list[int]:
+    """Indices of the blocks to page for an `activation_offload` value (or to recompute, for
+    `activation_recompute`: `what` names the option in errors): True (all), a fraction in (0, 1]
+    (the first ceil(f * count) blocks: their activations are made first and needed last), or a
+    list of block indices."""
     if option is True:
         return list(range(count))
     if isinstance(option, float) and not isinstance(option, bool):
         if not 0.0 < option <= 1.0:
-            raise ValueError(f"activation_offload as a fraction must be in (0, 1], not {option}")
+            raise ValueError(f"{what} as a fraction must be in (0, 1], not {option}")
         return list(range(min(count, math.ceil(option * count))))
     if isinstance(option, (list, tuple)):
         bad = [i for i in option if not isinstance(i, int) or not 0 <= i < count]
         if bad:
-            raise ValueError(f"activation_offload block indices {bad} are not in [0, {count}) (the model has "
+            raise ValueError(f"{what} block indices {bad} are not in [0, {count}) (the model has "
                              f"{count} blocks)")
         return sorted(set(option))
-    raise ValueError(f"activation_offload must be False, True, 'auto', a fraction in (0, 1] or a list of block "
+    raise ValueError(f"{what} must be False, True, 'auto', a fraction in (0, 1] or a list of block "
                      f"indices, not {option!r}")
 
 

@@ -1,0 +1,87 @@
+"""Recomputing chosen blocks in backward instead of keeping or paging their saved activations
+(`wrap(activation_recompute=...)`): gradient checkpointing, applied by tsd to blocks of the
+model's repeated stack.
+
+A recomputed block keeps only its inputs between its forward and its backward; at the start of
+its backward, autograd runs its forward again (non-reentrant `torch.utils.checkpoint`, with the
+RNG state of the first run, so dropout draws the same) and takes the saved tensors from that
+run. The cost is one more forward of the block on the GPU; paging the same activations costs
+their bytes twice over PCIe and twice through host memory, which tsd's CPU optimizer needs too.
+
+How: the block's class is swapped for a subclass whose `__call__` runs the module call
+(its hooks included) under checkpointing, the arrangement Hugging Face's
+`GradientCheckpointingLayer` has. So the pagers' hooks run inside the checkpointed call, as
+they do for a model's own checkpointing: the weight pager brings a paged block's weights back
+for the recompute and keeps them for its backward, and the activation pager leaves the block to
+checkpointing (`ActivationPager._owns_saved_tensors`). A block its model already checkpoints
+(a Hugging Face layer with `gradient_checkpointing` on) is left as it is. `remove()` gives every
+block its own class back.
+
+Values are recomputed by the same kernels from the same inputs and weights, so a recomputed run
+is bit-identical to one that keeps the activations (the tests check it, CPU and CUDA).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["Recomputer", "recomputed"]
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _subclass(cls: type) -> type:
+    """The class swapped in for blocks of class `cls` (one per class, made once)."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is not None:
+        return sub
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = super(sub, self).__call__  # type: ignore[arg-type]
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            return checkpoint(call, *args, use_reentrant=False, **kwargs)
+        return call(*args, **kwargs)  # no graph to keep (eval, no_grad), or the recompute itself
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "_tsd_recomputes": cls,
+                                      "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    _SUBCLASSES[cls] = sub
+    return sub
+
+
+def recomputed(block: nn.Module) -> bool:
+    """Whether `block` is recomputed in backward: by tsd, or by its model's own checkpointing
+    (a Hugging Face layer with `gradient_checkpointing` on)."""
+    return "_tsd_recomputes" in type(block).__dict__ or bool(getattr(block, "gradient_checkpointing", False))
+
+
+class Recomputer:
+    """Recomputes blocks `indices` of `blocks` in backward (see the module docstring).
+    `install()` swaps their classes, `remove()` swaps them back; `blocks_recomputed` lists the
+    indices it swapped (a block already recomputed by its model is not among them)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], indices: Sequence[int]) -> None:
+        bad = [i for i in indices if not 0 <= i < len(blocks)]
+        if bad:
+            raise ValueError(f"activation_recompute block indices {bad} are not in [0, {len(blocks)})")
+        self.blocks = list(blocks)
+        self.indices = sorted(set(indices))
+        self.blocks_recomputed: list[int] = []
+
+    def install(self) -> None:
+        for i in self.indices:
+            b = self.blocks[i]
+            if recomputed(b):
+                continue
+            b.__class__ = _subclass(type(b))
+            self.blocks_recomputed.append(i)
+
+    def remove(self) -> None:
+        for i in self.blocks_recomputed:
+            b = self.blocks[i]
+            own = type(b).__dict__.get("_tsd_recomputes")
+            if own is not None:
+                b.__class__ = own
+        self.blocks_recomputed = []

@@ -1,0 +1,175 @@
+"""activation_recompute: blocks recomputed in backward (gradient checkpointing applied by tsd),
+alone and beside weight paging, activation paging, accumulation, clipping and overlap_forward;
+bit-identical to keeping the activations. CPU here; test_wrap_cuda.py has the CUDA run."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import trainstream
+from gpt import Block, make_gpt
+from test_weight_paging import assert_same, wrapped_run
+from trainstream.paging.recompute import Recomputer, recomputed
+from trainstream.wiring import unwrap_session
+
+
+class Drop(nn.Module):
+    """A block with dropout: the recompute must draw the same mask."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(d, d), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.lin(x)))
+
+
+def counted(model):
+    """Counts each block's forwards (a pre-hook: the recompute runs the module call again)."""
+    runs = [0] * len(model.blocks)
+    for i, blk in enumerate(model.blocks):
+        blk.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    return runs
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(param_offload=[0, 1], accumulation_steps=2, max_grad_norm=0.05),
+    dict(activation_offload=True, overlap_forward=True, max_grad_norm=1.0),
+], ids=["alone", "weights-paged-accumulation-clip", "activations-paged-overlap"])
+def test_recomputed_blocks_run_twice_and_change_no_bit(tsd, kw):
+    """Blocks 0 and 2 of 4 recomputed: each runs its forward twice per micro-batch (the others once),
+    and losses and parameters equal the run that keeps every activation, bit for bit. Beside
+    activation paging of every block, the recomputed ones are left to checkpointing."""
+    steps, micro = 4, kw.get("accumulation_steps", 1)
+    seen = {}
+
+    def make():
+        m = make_gpt(0, layers=4, d=32)
+        seen["runs"] = counted(m)
+        return m
+
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", steps * micro, **kw)
+    assert seen["runs"] == [steps * micro] * 4
+
+    def look(model, s):
+        seen["recompute"] = s.recompute.blocks_recomputed
+        seen["pager"] = s.act_pager
+        assert all(isinstance(b, Block) for b in model.blocks)  # still a Block to isinstance()
+        assert [recomputed(b) for b in model.blocks] == [True, False, True, False]
+
+    b, pb, events, s = wrapped_run(tsd, make, "cpu", steps * micro, activation_recompute=[0, 2], after_wrap=look, **kw)
+    assert seen["recompute"] == [0, 2]
+    assert seen["runs"] == [2 * steps * micro, steps * micro] * 2
+    assert b == a
+    assert_same(pb, pa, f"activation_recompute=[0, 2] with {kw}")
+    assert any("activation_recompute: blocks 0, 2 (2 of 4) are recomputed in backward" in e for e in events), events
+    if kw.get("activation_offload"):
+        assert seen["pager"] is not None  # every block's pages asked for; the recomputed ones still ran twice
+    # unwrap() gave every block its own class back.
+    assert s.recompute is None
+
+
+def test_recompute_draws_the_same_dropout_and_gives_the_class_back():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Drop(16) for _ in range(3))
+    ref = copy.deepcopy(blocks)
+    x = torch.randn(8, 16)
+
+    def grads(stack, seed):
+        torch.manual_seed(seed)
+        h = x
+        for blk in stack:
+            h = blk(h)
+        h.square().sum().backward()
+        out = [p.grad.clone() for p in stack.parameters()]
+        stack.zero_grad(set_to_none=True)
+        return out
+
+    r = Recomputer(blocks, [0, 2])
+    r.install()
+    assert type(blocks[0]).__name__ == "Drop" and recomputed(blocks[0]) and not recomputed(blocks[1])
+    assert all(torch.equal(u, v) for u, v in zip(grads(blocks, 5), grads(ref, 5)))
+    r.remove()
+    assert all(type(b) is Drop for b in blocks) and r.blocks_recomputed == []
+    # A block its model already recomputes (a Hugging Face layer with gradient_checkpointing on)
+    # is left as it is.
+    blocks[1].gradient_checkpointing = True
+    r = Recomputer(blocks, [1])
+    r.install()
+    assert r.blocks_recomputed == [] and type(blocks[1]) is Drop
+    with pytest.raises(ValueError, match=r"block indices \[3\] are not in \[0, 3\)"):
+        Recomputer(blocks, [3])
+
+
+@pytest.mark.parametrize("bad,says", [
+    (1.5, "activation_recompute as a fraction must be in \\(0, 1\\]"),
+    ("all", "activation_recompute must be False, True, 'auto'"),
+    ([7], "activation_recompute block indices \\[7\\] are not in \\[0, 2\\)"),
+])
+def test_recompute_options_are_checked(tsd, bad, says):
+    model = make_gpt(0, layers=2, d=32)
+    before = [type(b) for b in model.blocks]
+    with pytest.raises(ValueError, match=says):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                         activation_recompute=bad)
+    assert [type(b) for b in model.blocks] == before  # nothing changed
+
+
+def test_recompute_auto_needs_activation_offload_auto(tsd):
+    model = make_gpt(0, layers=2, d=32)
+    with pytest.raises(ValueError, match="activation_recompute='auto' recomputes the blocks activation_offload='auto'"):
+        trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                         activation_offload=True, activation_recompute="auto")
+    model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                  activation_recompute="auto")
+    try:
+        s = unwrap_session(model)
+        assert s.recompute_auto and s.recompute is None  # nothing until activation_offload="auto" pages
+    finally:
+        trainstream.unwrap(model)
+
+
+@pytest.mark.parametrize("room_for", [0, 2])
+def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_for):
+    """activation_recompute="auto": where activation_offload="auto"'s refinement would keep blocks
+    paged (3 paged, room for `room_for` of them back), it recomputes them instead and pages none;
+    the GPU share waits for it as for the refinement. Gradients stay bit-identical."""
+    from types import SimpleNamespace
+
+    from test_memory_checks import MiB, Tower
+    from trainstream import activation_auto
+    from trainstream.allocator import SegmentSwitch
+    from trainstream.memory import PinnedHost
+    from trainstream.optim import decide_activation_offload
+    from trainstream.paging.activations import ActivationProfiler
+    from trainstream.planner import Budget
+
+    torch.manual_seed(0)
+    model = Tower()
+    ref = copy.deepcopy(model)
+    per = 100 * MiB
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB, min_bytes=1)
+    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 1, True
+    session = SimpleNamespace(
+        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
+        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False, planner=SimpleNamespace(done=True),
+        pager=SimpleNamespace(reinstall=lambda: None, auto=True, paged=set(), blocks=[]), recompute=None,
+        recompute_auto=True, measured_vram=lambda: (Budget(vram_usable=2000 * MiB), 1900 * MiB - room_for * per - per // 2),
+        auto_share=None, offloading=True)
+    session.segments = SegmentSwitch("auto", cuda=True, setter=lambda _: None, env={}, release=lambda: None)
+    decide_activation_offload(session)
+    assert session.act_refine is not None and session.recompute is None  # paged first, as without the option
+    session.steps = 2
+    activation_auto.maybe_refine(session)
+    assert session.act_refine is None and session.act_pager is None and session.activation_host_bytes == 0
+    stays = [0, 1, 2][:3 - room_for]
+    assert session.recompute.blocks_recomputed == stays, session.events
+    assert [recomputed(b) for b in model.layers] == [i in stays for i in range(4)]
+    assert any("activation_recompute: blocks" in e and "instead of paging them" in e for e in session.events)
+    x = torch.randn(32, 64)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    session.recompute.remove()
