@@ -25,8 +25,10 @@ MODE:cap=G and MODE:clip=X run that entry under a G GiB cap or with max_grad_nor
 sweep, or both clippings, in one interleaved run: tsd_bf16_act:cap=12,tsd_bf16_act:cap=24,stock);
 MODE:overlap=on|off and MODE:gpu=F|auto override --overlap and --gpu-fraction for that entry, and
 MODE:alloc=expandable runs it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and a tsd
-mode's MODE:threads=N runs against a tsd of its own started with --optimizer-threads N (variants
-chain: tsd_bf16_act:overlap=off:gpu=auto), so settings compare side by side in one run.
+mode's MODE:threads=N runs against a tsd of its own started with --optimizer-threads N, MODE:ckpt
+turns on the model's gradient checkpointing for that entry and an *_act mode's MODE:recompute=V
+passes wrap(activation_recompute=V) (variants chain: tsd_bf16_act:overlap=off:gpu=auto), so
+settings compare side by side in one run.
 --param-offload (auto, true, or a fraction) pages the tsd modes' block weights through tsd
 (wrap(param_offload=...)); the model is then built on the host (random weights drawn on the GPU one
 tensor at a time; in bf16 for the modes that train bf16 weights, as a checkpoint loaded with
