@@ -164,7 +164,9 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
                          f"paging; with activation_offload={out['activation_offload']!r} name the blocks to recompute "
                          "(True, a fraction or a list of block indices) or pass activation_recompute=False")
     elif rec is not False and rec != "auto":
-        choose_blocks(rec, 1 << 30, "activation_recompute")  # its form; the indices against the model at prepare
+        # Its form only (the indices are checked against the model's blocks at prepare).
+        known = max((i for i in rec if isinstance(i, int)), default=0) + 1 if isinstance(rec, (list, tuple)) else 1
+        choose_blocks(rec, known, "activation_recompute")
     return out
 
 

@@ -173,3 +173,57 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     ref(x).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     session.recompute.remove()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_recompute_of_hugging_face_layers_is_bit_identical(tsd, lora):
+    """A tiny Qwen2 (and under peft LoRA): its decoder layers, recomputed by tsd through their own
+    checkpointing (which drops the KV cache the model makes: written again by the recompute, it
+    broke the attention's shapes), three steps equal the run that keeps every activation, bit for
+    bit, each layer ran twice a step, and unwrap() leaves the layers' own settings as they were."""
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        if lora:
+            peft = pytest.importorskip("peft")
+            torch.manual_seed(1)
+            m = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        return m
+
+    data = torch.randint(0, 128, (3, 2, 17), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for rec in (False, True):
+        model = make().train()
+        layers = model.get_base_model().model.layers if lora else model.model.layers
+        runs = counted(SimpleNamespaceBlocks(layers))
+        model, opt = trainstream.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                               lr=1e-3), device="cpu", socket=tsd.socket,
+                                      activation_recompute=rec)
+        try:
+            if rec:
+                assert unwrap_session(model).recompute.blocks_recomputed == [0, 1]
+            losses = []
+            for t in data:
+                loss = model(input_ids=t[:, :-1], labels=t[:, 1:]).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        finally:
+            trainstream.unwrap(model)
+        out[rec] = (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, list(runs))
+        assert all(not recomputed(b) and "_gradient_checkpointing_func" not in b.__dict__ for b in layers)
+    (l0, s0, r0), (l1, s1, r1) = out[False], out[True]
+    assert r0 == [3, 3] and r1 == [6, 6]
+    assert l0 == l1 and s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+class SimpleNamespaceBlocks:
+    """`counted()` takes a model with `blocks`; a layer list under another name."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks

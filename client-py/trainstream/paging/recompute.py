@@ -8,20 +8,24 @@ RNG state of the first run, so dropout draws the same) and takes the saved tenso
 run. The cost is one more forward of the block on the GPU; paging the same activations costs
 their bytes twice over PCIe and twice through host memory, which tsd's CPU optimizer needs too.
 
-How: the block's class is swapped for a subclass whose `__call__` runs the module call
-(its hooks included) under checkpointing, the arrangement Hugging Face's
-`GradientCheckpointingLayer` has. So the pagers' hooks run inside the checkpointed call, as
-they do for a model's own checkpointing: the weight pager brings a paged block's weights back
-for the recompute and keeps them for its backward, and the activation pager leaves the block to
-checkpointing (`ActivationPager._owns_saved_tensors`). A block its model already checkpoints
-(a Hugging Face layer with `gradient_checkpointing` on) is left as it is. `remove()` gives every
-block its own class back.
+How: a Hugging Face decoder layer (a `GradientCheckpointingLayer`) gets its own checkpointing
+turned on, the layer alone (`gradient_checkpointing` and `_gradient_checkpointing_func` on the
+instance; it applies in training mode, and turns off the KV cache, which a recompute would
+write a second time). Any other block's class is swapped for a subclass whose `__call__` runs
+the module call (its hooks included) under checkpointing, the arrangement Hugging Face's layers
+have. Either way the pagers' hooks run inside the checkpointed call, as they do for a model's
+own checkpointing: the weight pager brings a paged block's weights back for the recompute and
+keeps them for its backward, and the activation pager leaves the block to checkpointing
+(`ActivationPager._owns_saved_tensors`). A block its model already checkpoints is left as it is.
+`remove()` gives every block its own class and settings back. A block whose forward changes
+state besides its outputs (a cache it writes) must not be recomputed: that runs twice.
 
 Values are recomputed by the same kernels from the same inputs and weights, so a recomputed run
 is bit-identical to one that keeps the activations (the tests check it, CPU and CUDA).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -51,6 +55,14 @@ def _subclass(cls: type) -> type:
     return sub
 
 
+_HF_SETTINGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _hf_layer(block: nn.Module) -> bool:
+    """A Hugging Face layer with checkpointing of its own (transformers' GradientCheckpointingLayer)."""
+    return any(c.__name__ == "GradientCheckpointingLayer" for c in type(block).__mro__)
+
+
 def recomputed(block: nn.Module) -> bool:
     """Whether `block` is recomputed in backward: by tsd, or by its model's own checkpointing
     (a Hugging Face layer with `gradient_checkpointing` on)."""
@@ -69,18 +81,29 @@ class Recomputer:
         self.blocks = list(blocks)
         self.indices = sorted(set(indices))
         self.blocks_recomputed: list[int] = []
+        self._hf: dict[int, dict[str, Any]] = {}  # Hugging Face layers: their own settings before
 
     def install(self) -> None:
         for i in self.indices:
             b = self.blocks[i]
             if recomputed(b):
                 continue
-            b.__class__ = _subclass(type(b))
+            if _hf_layer(b):
+                self._hf[i] = {k: b.__dict__[k] for k in _HF_SETTINGS if k in b.__dict__}
+                b.gradient_checkpointing = True
+                b._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+            else:
+                b.__class__ = _subclass(type(b))
             self.blocks_recomputed.append(i)
 
     def remove(self) -> None:
         for i in self.blocks_recomputed:
             b = self.blocks[i]
+            if i in self._hf:
+                for k in _HF_SETTINGS:
+                    b.__dict__.pop(k, None)
+                b.__dict__.update(self._hf.pop(i))
+                continue
             own = type(b).__dict__.get("_tsd_recomputes")
             if own is not None:
                 b.__class__ = own
