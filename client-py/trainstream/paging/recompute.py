@@ -90,8 +90,8 @@ class Recomputer:
                 continue
             if _hf_layer(b):
                 self._hf[i] = {k: b.__dict__[k] for k in _HF_SETTINGS if k in b.__dict__}
-                b.gradient_checkpointing = True
-                b._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+                b.__dict__.update(gradient_checkpointing=True,
+                                  _gradient_checkpointing_func=partial(checkpoint, use_reentrant=False))
             else:
                 b.__class__ = _subclass(type(b))
             self.blocks_recomputed.append(i)
