@@ -2,7 +2,7 @@
 # Call A: build; the CUDA tests of checkpointing and recompute beside the pagers; the 1.5B sweep at
 # clip 1e3 (STREAM before and after the modes), paging against recompute (activation_recompute=auto)
 # and the model's own checkpointing (:ckpt) at 12 and 16 GiB, then 24 and 32.
-export TSD_BENCH_COMMIT=232d652
+export TSD_BENCH_COMMIT=bc96aae
 T0=$SECONDS; L=${L:-590}
 [ -x /tmp/bg/bin/tsd ] && [ -d /tmp/tspy/trainstream ] || scripts/gpu.sh build min 2>&1 | tail -1
 echo "== built t=$((SECONDS - T0))"

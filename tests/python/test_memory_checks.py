@@ -414,6 +414,26 @@ def test_activations_to_keep_brings_back_the_last_paged_blocks_that_fit():
     assert planner.activations_to_keep(0, 1000 * MiB, [0, 1, 2], [per] * 3, 0.05)[:2] == ([], [0, 1, 2])
 
 
+def first_step_paged(model, per, weights_plan, peak, **extra):
+    """A session (the fields activation_auto and decide_activation_offload read) whose first step
+    paged blocks 1-3 of `model.layers` (`per` bytes each) by itself beside a weight planner
+    (`weights_plan`), with 2000 MiB of usable VRAM and the measured `peak()`."""
+    from types import SimpleNamespace
+    from trainstream.allocator import SegmentSwitch
+    from trainstream.memory import PinnedHost
+    from trainstream.planner import Budget
+
+    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB, min_bytes=1)
+    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 1, True
+    session = SimpleNamespace(
+        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
+        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False, planner=weights_plan,
+        pager=SimpleNamespace(reinstall=lambda: None, auto=True, paged=set(), blocks=[]), recompute=None,
+        measured_vram=lambda: (Budget(vram_usable=2000 * MiB), peak()), auto_share=None, offloading=True, **extra)
+    session.segments = SegmentSwitch("auto", cuda=True, setter=lambda _: None, env={}, release=lambda: None)
+    return session
+
+
 @pytest.mark.parametrize("room_for", [2, 3])
 def test_activation_pages_come_back_once_the_plan_settles(room_for):
     """activation_offload="auto" after its first decision (3 of 4 blocks paged, as many bytes as a
@@ -422,26 +442,16 @@ def test_activation_pages_come_back_once_the_plan_settles(room_for):
     GPU share and offload="auto"'s switch wait for it. Gradients stay bit-identical."""
     from types import SimpleNamespace
     from trainstream import activation_auto, share_auto
-    from trainstream.memory import PinnedHost
-    from trainstream.allocator import SegmentSwitch
     from trainstream.optim import decide_activation_offload, maybe_switch_to_stock
-    from trainstream.planner import Budget
     from trainstream.units import format_bytes
 
     torch.manual_seed(0)
     model = Tower()
     ref = copy.deepcopy(model)
     per = 100 * MiB
-    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB, min_bytes=1)
-    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 1, True
     weights_plan = SimpleNamespace(done=False)
     measured = {"peak": 1050 * MiB}
-    session = SimpleNamespace(
-        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
-        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False, planner=weights_plan,
-        pager=SimpleNamespace(reinstall=lambda: None, auto=True, paged=set(), blocks=[]),
-        measured_vram=lambda: (Budget(vram_usable=2000 * MiB), measured["peak"]), auto_share=None, offloading=True)
-    session.segments = SegmentSwitch("auto", cuda=True, setter=lambda _: None, env={}, release=lambda: None)
+    session = first_step_paged(model, per, weights_plan, lambda: measured["peak"])
     decide_activation_offload(session)
     first = session.act_pager
     assert [i for i, b in enumerate(model.layers) if b in first.blocks] == [0, 1, 2]

@@ -138,27 +138,16 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     the GPU share waits for it as for the refinement. Gradients stay bit-identical."""
     from types import SimpleNamespace
 
-    from test_memory_checks import MiB, Tower
+    from test_memory_checks import MiB, Tower, first_step_paged
     from trainstream import activation_auto
-    from trainstream.allocator import SegmentSwitch
-    from trainstream.memory import PinnedHost
     from trainstream.optim import decide_activation_offload
-    from trainstream.paging.activations import ActivationProfiler
-    from trainstream.planner import Budget
 
     torch.manual_seed(0)
     model = Tower()
     ref = copy.deepcopy(model)
     per = 100 * MiB
-    prof = ActivationProfiler(model, list(model.layers), "cpu", name="layers", limit=1000 * MiB, min_bytes=1)
-    prof.block_bytes, prof.started_at, prof.paging = [per] * 4, 1, True
-    session = SimpleNamespace(
-        act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
-        arena=PinnedHost(pin=False), memory_plan=None, check_memory=False, planner=SimpleNamespace(done=True),
-        pager=SimpleNamespace(reinstall=lambda: None, auto=True, paged=set(), blocks=[]), recompute=None,
-        recompute_auto=True, measured_vram=lambda: (Budget(vram_usable=2000 * MiB), 1900 * MiB - room_for * per - per // 2),
-        auto_share=None, offloading=True)
-    session.segments = SegmentSwitch("auto", cuda=True, setter=lambda _: None, env={}, release=lambda: None)
+    session = first_step_paged(model, per, SimpleNamespace(done=True), lambda: 1900 * MiB - room_for * per - per // 2,
+                               recompute_auto=True)
     decide_activation_offload(session)
     assert session.act_refine is not None and session.recompute is None  # paged first, as without the option
     session.steps = 2
