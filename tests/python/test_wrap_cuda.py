@@ -221,7 +221,7 @@ def test_cuda_activation_recompute_is_bit_identical_beside_both_pagers(tsd):
     """activation_recompute=[0, 2] beside every block's activations paged and blocks 1 and 2's
     weights paged, bf16 weights under autocast as the benchmark runs: losses and parameters equal
     the run that recomputes nothing, and the recomputed blocks page nothing."""
-    data = batches(4, batch=128, device="cuda")
+    data = batches(4, batch=256, device="cuda")
     out = {}
     for rec in (False, [0, 2]):
         model = make_gpt(0, d=256, layers=4, heads=4).cuda()
