@@ -48,6 +48,12 @@ from ..units import block_ranges, format_bytes
 _MIN_BYTES = 1 << 20
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a forward (and its module hooks)
+    running now is a checkpointed block's recompute, not the step's forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def dense(t: torch.Tensor) -> bool:
     """Whether `t` covers its memory exactly, in some order (contiguous, or e.g. a transposed
     result of an elementwise op): then a copy with the same strides is one flat memcpy."""
@@ -227,9 +233,7 @@ class ActivationPager:
         (reentrant checkpointing), whose tensors its backward uses at once. Pushing the pager's
         hooks over checkpointing's took the tensors it drops: measured on the CPU, the blocks then
         ran once a step instead of twice, every saved tensor kept."""
-        if torch._C._current_graph_task_id() != -1:
-            return False
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        return not in_backward() and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
     def _outside_keep(self) -> tuple[set[int], set[tuple[int, ...]]]:
         """The storage pointers and shapes of the model's parameters outside the block stack."""

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activations import in_backward
+
 __all__ = ["Recomputer", "recomputed"]
 
 _SUBCLASSES: dict[type, type] = {}
@@ -45,7 +47,7 @@ def _subclass(cls: type) -> type:
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = super(sub, self).__call__  # type: ignore[arg-type]
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if torch.is_grad_enabled() and not in_backward():
             return checkpoint(call, *args, use_reentrant=False, **kwargs)
         return call(*args, **kwargs)  # no graph to keep (eval, no_grad), or the recompute itself
 

@@ -62,7 +62,7 @@ from ..compiled import eager, forget_compiled
 from ..quant.weight import QuantizedWeight, quantized_of
 from ..units import format_bytes
 from . import schedule
-from .activations import dense, find_blocks
+from .activations import dense, find_blocks, in_backward
 from .quantized import PagedQuantizedWeight, host_buffers, set_placeholder
 
 if TYPE_CHECKING:
@@ -632,7 +632,7 @@ class WeightPager:
         """A paged quantized weight's buffers are read (its layer dequantizes): in backward, its
         block's backward starts; its copy must be on the device and waited for."""
         b = self.blocks[pq.index]
-        if _in_backward():
+        if in_backward():
             self._backward_reached(b)
         self._use(b)
 
@@ -715,13 +715,13 @@ class WeightPager:
             self.install()
 
     def _model_pre(self, module: nn.Module, args: Any) -> None:
-        if not _in_backward():
+        if not in_backward():
             self._prefetch_ahead(-1, 1)
 
     def _pre_hook(self, b: _Block) -> Callable[..., None]:
         @eager
         def hook(module: nn.Module, args: Any) -> None:
-            backward = _in_backward()
+            backward = in_backward()
             if backward:
                 self._backward_reached(b)  # a recompute (gradient checkpointing)
             if b.paged:
@@ -739,7 +739,7 @@ class WeightPager:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._ctx and self._ctx.pop():
                 torch._C._autograd._pop_saved_tensors_default_hooks()
-            if not b.paged or not b.loaded or _in_backward():
+            if not b.paged or not b.loaded or in_backward():
                 return  # resident; or a recompute: it stays for its backward
             last = max(self.paged)
             if torch.is_grad_enabled() and b.index == last:
@@ -778,7 +778,7 @@ class WeightPager:
         if not isinstance(x, _WeightRef):
             return x
         b = self.blocks[x.block]
-        if _in_backward():
+        if in_backward():
             self._backward_reached(b)
         self._use(b)
         w = b.weights[x.k].param
@@ -860,8 +860,3 @@ class WeightPager:
     def __repr__(self) -> str:
         return (f"<trainstream WeightPager: {len(self.paged)} of {len(self.blocks)} blocks of {self.name} paged "
                 f"({format_bytes(self.paged_bytes)})>")
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
