@@ -26,13 +26,12 @@ from torch import nn
 from . import planner
 from .blockplan import MARGIN
 from .paging.activations import page_blocks
-from .paging.recompute import Recomputer
-from .units import block_ranges
+from .paging.recompute import recompute_blocks
 
 if TYPE_CHECKING:
     from .engine import Session
 
-__all__ = ["Refine", "maybe_refine", "recompute_blocks"]
+__all__ = ["Refine", "maybe_refine"]
 
 
 @dataclasses.dataclass
@@ -91,15 +90,3 @@ def maybe_refine(session: "Session") -> None:
         session.events.append(f"{head}; no block's activations are paged from now on")
     session.activation_host_bytes = sum(pending.block_bytes[i] for i in kept)
 
-
-def recompute_blocks(session: "Session", blocks: list[nn.Module], chosen: list[int], why: str = "") -> None:
-    """Recomputes blocks `chosen` of `blocks` in backward from now on (`paging.recompute`), beside
-    any the session recomputes already; logs it in the session's events."""
-    done = session.recompute
-    before = set(done.indices) if done is not None else set()
-    if done is not None:
-        done.remove()
-    session.recompute = Recomputer(blocks, sorted(before | set(chosen)))
-    session.recompute.install()
-    session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
-                          f"{len(blocks)}) are recomputed in backward, their forward's saved activations dropped{why}")

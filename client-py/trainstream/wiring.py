@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import activation_auto, allocator, gpushare, planner, resume, share_auto
+from . import allocator, gpushare, planner, resume, share_auto
 from .distributed import DataParallel, check_option as check_distributed
 from .client import Client
 from .engine import ParamSlots, Session
@@ -38,6 +38,7 @@ from .errors import InvalidRequest, TsdError
 from .optim import TsdAdamW
 from .paging import first_step
 from .paging.activations import choose_blocks, find_blocks, page_blocks, profile_blocks
+from .paging.recompute import recompute_blocks
 from .paging.schedule import check_depth, choose_depth
 from .paging.weights import WeightPager, check_param_offload, weight_blocks
 from .blockplan import MemoryPlanner, fraction_paged
@@ -163,11 +164,7 @@ def _check_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("activation_recompute='auto' recomputes the blocks activation_offload='auto' would keep "
                          f"paging; with activation_offload={out['activation_offload']!r} name the blocks to recompute "
                          "(True, a fraction or a list of block indices) or pass activation_recompute=False")
-    elif rec is not False and rec != "auto":
-        # Its form only (the indices are checked against the model's blocks at prepare).
-        known = max((i for i in rec if isinstance(i, int)), default=0) + 1 if isinstance(rec, (list, tuple)) else 1
-        choose_blocks(rec, known, "activation_recompute")
-    return out
+    return out  # a block list's form and indices are checked against the model's stack at prepare
 
 
 def _collect(optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, int, int]]:
@@ -578,7 +575,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         ps.hook = ps.param.register_post_accumulate_grad_hook(hook)
     if prep.recompute_blocks is not None:
         name, stack, chosen = prep.recompute_blocks
-        activation_auto.recompute_blocks(session, list(stack), chosen, why=f" ({name or 'the model'}'s, as asked)")
+        recompute_blocks(session, list(stack), chosen, why=f" ({name or 'the model'}'s, as asked)")
     session.recompute_auto = opts["activation_recompute"] == "auto"
     if prep.paged_blocks is not None:
         page_blocks(session, model, *prep.paged_blocks)

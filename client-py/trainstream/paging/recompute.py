@@ -32,9 +32,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..units import block_ranges
 from .activations import in_backward
 
-__all__ = ["Recomputer", "recomputed"]
+__all__ = ["Recomputer", "recompute_blocks", "recomputed"]
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -110,3 +111,17 @@ class Recomputer:
             if own is not None:
                 b.__class__ = own
         self.blocks_recomputed = []
+
+
+def recompute_blocks(session: Any, blocks: Sequence[nn.Module], chosen: Sequence[int], why: str = "") -> None:
+    """Recomputes blocks `chosen` of `blocks` in backward from now on, beside any the session
+    (`engine.Session`) recomputes already (what wrap(activation_recompute=...) installs, and
+    "auto" after the refinement); logs it in the session's events."""
+    done = session.recompute
+    before = set(done.indices) if done is not None else set()
+    if done is not None:
+        done.remove()
+    session.recompute = Recomputer(blocks, sorted(before | set(chosen)))
+    session.recompute.install()
+    session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
+                          f"{len(blocks)}) are recomputed in backward, their forward's saved activations dropped{why}")
