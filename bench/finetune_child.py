@@ -73,7 +73,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     param_dtype = torch.bfloat16 if a.mode.startswith("tsd_bf16") else None
     moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
     activation_offload = option_value(a.activation_offload) if a.mode.endswith("_act") else False
-    activation_recompute = option_value(getattr(a, "activation_recompute", "false")) if a.mode.endswith("_act") else False
+    activation_recompute = option_value(a.activation_recompute) if a.mode.endswith("_act") else False
     param_offload = option_value(a.param_offload) if a.param_offload else False
     stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora
@@ -286,7 +286,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         setup_s=setup_s, loss=loss.item(), moments=str(getattr(opt, "moment_dtype", moment_dtype)),
         param_dtype=str(param_dtype), activation_offload=activation_offload, activation_recompute=activation_recompute,
         recomputed_blocks=(len(session.recompute.blocks_recomputed)
-                           if session is not None and getattr(session, "recompute", None) is not None else 0),
+                           if session is not None and session.recompute is not None else 0),
         paged_gib_per_step=(pager.moved_bytes / a.steps / 2**30 if pager is not None else 0.0),
         paged_blocks=(len(pager.paged) if pager is not None else 0),
         blocks=(len(pager.blocks) if pager is not None else None), param_offload=param_offload,
