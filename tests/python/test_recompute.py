@@ -2,6 +2,7 @@
 alone and beside weight paging, activation paging, accumulation, clipping and overlap_forward;
 bit-identical to keeping the activations. CPU here; test_wrap_cuda.py has the CUDA run."""
 import copy
+import io
 
 import pytest
 import torch
@@ -91,6 +92,15 @@ def test_recompute_draws_the_same_dropout_and_gives_the_class_back():
     r.install()
     assert type(blocks[0]).__name__ == "Drop" and recomputed(blocks[0]) and not recomputed(blocks[1])
     assert all(torch.equal(u, v) for u, v in zip(grads(blocks, 5), grads(ref, 5)))
+    # Saved whole (torch.save(model)) or deep-copied while swapped: the copy is a plain Drop with
+    # the same weights, run once a step.
+    buf = io.BytesIO()
+    torch.save(blocks, buf)
+    buf.seek(0)
+    for back in (torch.load(buf, weights_only=False), copy.deepcopy(blocks)):
+        assert [type(b) for b in back] == [Drop] * 3 and not any(recomputed(b) for b in back)
+        assert all(torch.equal(u, v) for u, v in zip(back.parameters(), blocks.parameters()))
+    assert recomputed(blocks[0]) and recomputed(blocks[2])  # the original is still recomputed
     r.remove()
     assert all(type(b) is Drop for b in blocks) and r.blocks_recomputed == []
     # A block its model already recomputes (a Hugging Face layer with gradient_checkpointing on)

@@ -17,7 +17,8 @@ have. Either way the pagers' hooks run inside the checkpointed call, as they do 
 own checkpointing: the weight pager brings a paged block's weights back for the recompute and
 keeps them for its backward, and the activation pager leaves the block to checkpointing
 (`ActivationPager._owns_saved_tensors`). A block its model already checkpoints is left as it is.
-`remove()` gives every block its own class and settings back. A block whose forward changes
+`remove()` gives every block its own class and settings back; a swapped block pickles
+(`torch.save(model)`) and deep-copies as its own class. A block whose forward changes
 state besides its outputs (a cache it writes) must not be recomputed: that runs twice.
 
 Values are recomputed by the same kernels from the same inputs and weights, so a recomputed run
@@ -25,6 +26,7 @@ is bit-identical to one that keeps the activations (the tests check it, CPU and 
 """
 from __future__ import annotations
 
+import copyreg
 from functools import partial
 from typing import Any, Sequence
 
@@ -52,7 +54,15 @@ def _subclass(cls: type) -> type:
             return checkpoint(call, *args, use_reentrant=False, **kwargs)
         return call(*args, **kwargs)  # no graph to keep (eval, no_grad), or the recompute itself
 
-    sub = type(cls.__name__, (cls,), {"__call__": __call__, "_tsd_recomputes": cls,
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        # Pickled (torch.save(model), copy.deepcopy) as the block's own class: the swapped one
+        # bears the same name, which pickle would find to be another class, and a copy made
+        # outside the session is not the session's to recompute.
+        # (copyreg's own reconstructor: pickle's __newobj__ insists on the object's class.)
+        reduced: tuple[Any, ...] = object.__reduce_ex__(self, protocol)  # type: ignore[assignment]
+        return (getattr(copyreg, "_reconstructor"), (cls, object, None), *reduced[2:])
+
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "_tsd_recomputes": cls,
                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     _SUBCLASSES[cls] = sub
     return sub
