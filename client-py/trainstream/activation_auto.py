@@ -25,7 +25,7 @@ from torch import nn
 
 from . import planner
 from .blockplan import MARGIN
-from .paging.activations import page_blocks
+from .paging.activations import page_blocks, trim_pages_host
 from .paging.recompute import recompute_blocks
 
 if TYPE_CHECKING:
@@ -89,4 +89,5 @@ def maybe_refine(session: "Session") -> None:
     else:
         session.events.append(f"{head}; no block's activations are paged from now on")
     session.activation_host_bytes = sum(pending.block_bytes[i] for i in kept)
+    trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged after the refinement")
 

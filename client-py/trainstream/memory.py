@@ -16,6 +16,9 @@ out aligned blocks of them:
 * release: `HostBlock.release(after=event)` returns a block once a CUDA event (the last copy
   that reads or writes it) has completed. Releases may come from any thread (autograd's) and
   from finalizers: they are queued and folded in by the next `alloc()` (or `reclaim()`).
+* shrinking: the arena keeps its regions between steps (each step reuses them); `trim(keep)`
+  frees empty regions back to tsd until `keep` bytes of capacity remain, for when the pages a
+  step needs shrink for good (activation_offload="auto" bringing blocks back, or recomputing them).
 
 `PinnedHost` has the same interface over torch's own pinned allocator (or plain memory on a
 CPU-only run): what a pager uses when no tsd job lends it memory.
@@ -68,6 +71,8 @@ class HostMemory(Protocol):
 
     def alloc(self, nbytes: int) -> HostBlock: ...
 
+    def trim(self, keep_bytes: int = 0) -> int: ...
+
 
 class PinnedHost:
     """Host blocks from torch: pinned (torch's caching host allocator) when `pin`, else plain
@@ -78,6 +83,10 @@ class PinnedHost:
 
     def alloc(self, nbytes: int) -> HostBlock:
         return HostBlock(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None, None)
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Nothing to give back: torch's caching allocator keeps its own blocks. Returns 0."""
+        return 0
 
 
 class _Chunk:
@@ -175,6 +184,32 @@ class HostArena:
         """Folds in every released block whose copies have completed (waits for none)."""
         with self._lock:
             self._reclaim(wait=False)
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Frees empty regions back to tsd (their quota with them), largest kept first, until
+        `keep_bytes` of capacity remain; waits for the copies of released blocks first. A region
+        with a block in use stays. Returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            self._reclaim(wait=True)
+            room = sum(c.region.size for c in self.chunks if c.used)
+            kept: list[_Chunk] = []
+            for c in sorted(self.chunks, key=lambda c: -c.region.size):
+                if c.used or room < keep_bytes:
+                    kept.append(c)
+                    room += 0 if c.used else c.region.size
+                    continue
+                c.base = None  # the arena's own view of it
+                try:
+                    self.client.free(c.region)
+                except FailedPrecondition:
+                    c.base = c.region.view(torch.uint8)  # a view of it is still alive somewhere: it stays
+                    kept.append(c)
+                    room += c.region.size
+                    continue
+                freed += c.region.size
+            self.chunks = [c for c in self.chunks if c in kept]
+        return freed
 
     def close(self) -> None:
         """Frees every region back to tsd. A region with blocks still alive (e.g. a graph kept

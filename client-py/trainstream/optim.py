@@ -14,7 +14,7 @@ from ._state_checks import check_state_dict
 from .allocator import budget_binds
 from .engine import ParamSlots, Session
 from .errors import MemoryCheckFailed, Refusal, TsdError
-from .paging.activations import ActivationProfiler, page_blocks
+from .paging.activations import ActivationProfiler, page_blocks, trim_pages_host
 from .progress import Progress
 
 # A file the optimizer's state streams to or from: a descriptor, or an object with fileno().
@@ -432,6 +432,7 @@ def decide_activation_offload(session: Session) -> None:
     if not chosen:
         session.events.append(f"activation_offload=auto: nothing paged ({why}; saved activations per block: "
                               f"{per_block})")
+        trim_pages_host(session, 0, "the first step's pages are not needed")
         return
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                 why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
@@ -444,6 +445,7 @@ def decide_activation_offload(session: Session) -> None:
         budget_binds(session, f"activations of {len(chosen)} blocks are paged to fit the budget")
         torch.cuda.empty_cache()
     check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
+    trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged than the first step did")
 
 
 def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int]) -> None:

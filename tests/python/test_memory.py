@@ -76,6 +76,38 @@ def test_arena_close_keeps_regions_with_live_blocks(tsd):
         gc.collect()
 
 
+def test_arena_trim_gives_empty_regions_back_down_to_what_is_kept(tsd):
+    """trim(keep): empty regions go back to tsd (the job's used bytes fall), the largest kept
+    first until `keep` bytes remain; a region with a block in use, or a view still alive after
+    its block was released, stays; later allocs grow the arena again."""
+    with trainstream.connect(socket=tsd.socket, job="trim", quota="4MiB") as c:
+        arena = HostArena(c, chunk_bytes=64 * KiB)
+        small, big, huge = arena.alloc(1000), arena.alloc(100 * KiB), arena.alloc(200 * KiB)
+        assert arena.capacity_bytes == (64 + 100 + 200) * KiB == used(c) and arena.grows == 3
+        kept_view = small.data[:10]  # outlives its block's release
+        big.release()
+        huge.release()
+        small.release()
+        # Keep 150 KiB: the 200 KiB region (largest first) covers it; the 100 KiB one goes; the
+        # 64 KiB one would go too but a view of it is alive.
+        assert arena.trim(150 * KiB) == 100 * KiB
+        assert sorted(r.size for r in arena.regions) == [64 * KiB, 200 * KiB] == sorted(
+            r.size for r in c.regions() if r.name.startswith("trainstream/arena"))
+        assert used(c) == 264 * KiB
+        del kept_view
+        gc.collect()
+        busy = arena.alloc(300)  # best fit: the 64 KiB region, now in use
+        assert arena.trim(0) == 200 * KiB and used(c) == 64 * KiB == arena.capacity_bytes
+        busy.data.fill_(3)  # still valid memory
+        busy.release()
+        assert arena.trim(0) == 64 * KiB and used(c) == 0 and arena.regions == []
+        again = arena.alloc(1000)  # grows again after a trim
+        assert arena.capacity_bytes == 64 * KiB == used(c) and torch.all(again.data.fill_(1) == 1)
+        again.release()
+        arena.close()
+        assert used(c) == 0
+
+
 def wrap_paged(tsd, **kw):
     model = make_gpt(0, d=64)
     opt = torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP)

@@ -434,6 +434,22 @@ def first_step_paged(model, per, weights_plan, peak, **extra):
     return session
 
 
+class TrimsSeen:
+    """A session's host for the tests of the decisions: plain memory that records each trim(keep)."""
+
+    def __init__(self) -> None:
+        from trainstream.memory import PinnedHost
+
+        self.host, self.trims = PinnedHost(pin=False), []
+
+    def alloc(self, nbytes):
+        return self.host.alloc(nbytes)
+
+    def trim(self, keep_bytes=0):
+        self.trims.append(keep_bytes)
+        return 0
+
+
 @pytest.mark.parametrize("room_for", [2, 3])
 def test_activation_pages_come_back_once_the_plan_settles(room_for):
     """activation_offload="auto" after its first decision (3 of 4 blocks paged, as many bytes as a
@@ -452,7 +468,9 @@ def test_activation_pages_come_back_once_the_plan_settles(room_for):
     weights_plan = SimpleNamespace(done=False)
     measured = {"peak": 1050 * MiB}
     session = first_step_paged(model, per, weights_plan, lambda: measured["peak"])
+    session.arena = TrimsSeen()
     decide_activation_offload(session)
+    assert session.arena.trims == [3 * per]  # as many bytes as the first step paged: nothing to give back
     first = session.act_pager
     assert [i for i, b in enumerate(model.layers) if b in first.blocks] == [0, 1, 2]
     assert session.act_refine is not None and session.act_refine.pager is first
@@ -476,6 +494,7 @@ def test_activation_pages_come_back_once_the_plan_settles(room_for):
     paged = [i for i, b in enumerate(model.layers) if now is not None and b in now.blocks]
     assert paged == ([0] if room_for == 2 else []), session.events
     assert session.activation_host_bytes == len(paged) * per
+    assert session.arena.trims == [3 * per, len(paged) * per]  # the host beyond the new pages goes back to tsd
     assert any("activation_offload=auto after step 2: measured peak" in e and
                f"blocks {'1-2' if room_for == 2 else '0-2'} ({format_bytes(3 * per - len(paged) * per)}) stay on "
                f"the device" in e for e in session.events), session.events

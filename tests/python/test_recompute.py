@@ -148,7 +148,7 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     the GPU share waits for it as for the refinement. Gradients stay bit-identical."""
     from types import SimpleNamespace
 
-    from test_memory_checks import MiB, Tower, first_step_paged
+    from test_memory_checks import MiB, Tower, TrimsSeen, first_step_paged
     from trainstream import activation_auto
     from trainstream.optim import decide_activation_offload
 
@@ -158,11 +158,13 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     per = 100 * MiB
     session = first_step_paged(model, per, SimpleNamespace(done=True), lambda: 1900 * MiB - room_for * per - per // 2,
                                recompute_auto=True)
+    session.arena = TrimsSeen()
     decide_activation_offload(session)
     assert session.act_refine is not None and session.recompute is None  # paged first, as without the option
     session.steps = 2
     activation_auto.maybe_refine(session)
     assert session.act_refine is None and session.act_pager is None and session.activation_host_bytes == 0
+    assert session.arena.trims[-1] == 0  # every page's host memory goes back to tsd
     stays = [0, 1, 2][:3 - room_for]
     assert session.recompute.blocks_recomputed == stays, session.events
     assert [recomputed(b) for b in model.layers] == [i in stays for i in range(4)]

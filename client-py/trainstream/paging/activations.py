@@ -565,6 +565,28 @@ def profile_blocks(session: Any, model: nn.Module, page: bool = False) -> None:
                              f"{format_bytes(limit)} of VRAM" if limit is not None else ""))
 
 
+def trim_pages_host(session: Any, keep_bytes: int, why: str) -> None:
+    """Gives the session's activation arena's regions beyond `keep_bytes` back to tsd (and the
+    job's quota), when the pages a step needs have shrunk for good: the decision after the first
+    step pages less than it did, or the refinement brings pages back or recomputes them. Logs it
+    in the session's events; a daemon that cannot answer leaves the arena as it is."""
+    from ..errors import TsdError
+
+    arena = session.arena
+    if arena is None:
+        return
+    try:
+        freed = arena.trim(keep_bytes)
+    except TsdError as e:
+        session.events.append(f"activation_offload: could not give the unused host memory back to tsd ({e}); "
+                              f"the arena keeps it")
+        return
+    if freed:
+        session.events.append(f"activation_offload: {format_bytes(freed)} of host memory given back to tsd "
+                              f"({why}); the arena keeps {format_bytes(getattr(arena, 'capacity_bytes', 0))} for "
+                              f"{format_bytes(keep_bytes)} of pages a step")
+
+
 def _arena(session: Any) -> Any:
     from ..memory import HostArena
 
