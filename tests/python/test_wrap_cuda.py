@@ -234,10 +234,13 @@ def test_cuda_activation_recompute_is_bit_identical_beside_both_pagers(tsd):
                 losses = train(model, opt, data, 4)
             params = [p.detach().float().cpu().clone() for p in model.state_dict().values()]
             pages = [len(p) for p in session.act_pager.block_pages]
+            ahead = session.act_pager.prefetched_tensors
         finally:
             trainstream.unwrap(model)
-        out[bool(rec)] = (losses, params, pages)
-        print(f"activation_recompute={rec}: pages per block in the last forward {pages}")
-    (l0, p0, _), (l1, p1, pages) = out[False], out[True]
+        out[bool(rec)] = (losses, params, pages, ahead)
+        print(f"activation_recompute={rec}: pages per block in the last forward {pages}, {ahead} copied back ahead")
+    (l0, p0, _, _), (l1, p1, pages, ahead) = out[False], out[True]
     assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(p0, p1))
     assert pages[0] == pages[2] == 0 and pages[1] > 0 and pages[3] > 0
+    # Block 3's backward starts block 1's copies back ahead, past block 2 (recomputed, no pages).
+    assert ahead >= 4, ahead

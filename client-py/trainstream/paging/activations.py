@@ -310,9 +310,13 @@ class ActivationPager:
         if self.cuda and page.owner >= 0 and page.owner != self._unpacking:
             # The first unpack of this block's pages in this backward: the paged block before it
             # runs its backward next; its copies back start now, beside this block's kernels.
+            # (A block of the list left to checkpointing has no pages: the one before it has.)
             self._unpacking = page.owner
-            if page.owner > 0:
-                self._copy_ahead(page.owner - 1)
+            before = page.owner - 1
+            while before >= 0 and not self.block_pages[before]:
+                before -= 1
+            if before >= 0:
+                self._copy_ahead(before)
         out = page.cached
         if out is None and page.ahead is not None:
             out, page.ahead = page.ahead, None
