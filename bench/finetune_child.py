@@ -341,14 +341,15 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
 
 def decisions_made(session: Any) -> bool:
     """Whether tsd made every decision it takes from measured steps: the weight plan settled
-    (param_offload="auto"), the activation pages chosen (activation_offload="auto": its profiler
-    is gone) and the GPU share chosen (optimizer_gpu_fraction="auto"). A peer has none to make."""
+    (param_offload="auto"), the activation pages chosen and refined (activation_offload="auto": its
+    profiler is gone, and so is the refinement it left) and the GPU share chosen
+    (optimizer_gpu_fraction="auto"). A peer has none to make."""
     if session is None:
         return True
     planner = getattr(session, "planner", None)
     profiling = type(getattr(session, "act_pager", None)).__name__ == "ActivationProfiler"
     return (planner is None or bool(getattr(planner, "done", True))) and not profiling \
-        and getattr(session, "auto_share", None) is None
+        and getattr(session, "act_refine", None) is None and getattr(session, "auto_share", None) is None
 
 
 class TsdJob:

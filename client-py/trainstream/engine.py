@@ -156,6 +156,9 @@ class Session:
         # ParamSlots stay in `params`, by bucket, but leave `by_param`: tsd gets no more gradients for them).
         self.auto_share: Any = None
         self.act_refine: Any = None  # activation_offload="auto"'s pages, left for activation_auto.maybe_refine
+        # The step after which activation_offload="auto" last changed what is paged or recomputed:
+        # the decisions made from a measured peak (the GPU share, offload="auto") wait for a step after it.
+        self.activations_changed_at = -1
         self.recompute: Any = None  # paging.recompute.Recomputer: the blocks recomputed in backward
         self.recompute_auto = False  # activation_recompute="auto": the refinement recomputes what stays paged
         self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward

@@ -455,8 +455,7 @@ def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int]) 
     session.act_refine = activation_auto.Refine(
         prof.model, prof.name, list(prof.blocks), list(chosen), list(prof.block_bytes), prof.min_bytes,
         session.act_pager, session.steps)
-    if session.cuda and session.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(session.device)
+    activation_auto.changed(session)
 
 
 def check_activation_host(session: Session, nbytes: int) -> None:
@@ -505,10 +504,10 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
     settled with nothing paged, it is decided as if there were no pager, and a switch releases the
     pager (no hook, plain parameters on the device). It waits for activation_offload="auto"'s
-    refinement too (activation_auto.py). Once decided, `s.offload` is True or the share holds
+    refinement too, and for a step measured after it changed anything (activation_auto.py). Once decided, `s.offload` is True or the share holds
     everything, so it is decided once."""
     s = opt._session
-    if s.act_refine is not None:
+    if not activation_auto.settled(s):
         return  # activation_offload="auto" brings back the pages the settled plan has room for first
     pager = s.pager
     if pager is not None:

@@ -24,8 +24,8 @@ step's measured VRAM peak, moves the optimizer of the parameters that fit into t
   memory in tsd is released;
 - the decision waits for a step whose memory plan is settled: the weight planner
   (`param_offload="auto"`) done, `activation_offload="auto"`'s pages refined (activation_auto.py),
-  and, where it began paging or changed its pages after the step before, one more step measured
-  with them (torch's peak is reset for it).
+  and, where it began paging or changed what it pages or recomputes after the step before, one
+  more step measured with that (torch's peak is reset for it; `activation_auto.settled`).
 
 Data parallel keeps the estimate at wrap() (`gpushare.vram_room`): the node's ranks share one
 registration and agree on the share before it exists.
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from . import gpushare
+from . import activation_auto, gpushare
 from .blockplan import MARGIN
-from .paging.activations import ActivationPager, ActivationProfiler
+from .paging.activations import ActivationProfiler
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -53,12 +53,13 @@ __all__ = ["Pending", "maybe_decide"]
 class Pending:
     """What wrap() left for the decision: the trainable parameters with their working copies'
     bytes per element in wrap()'s bucket order, the ids that must stay in tsd (pageable blocks),
-    the moment dtype the host-time estimate assumes, and the activation pager last measured with."""
+    the moment dtype the host-time estimate assumes, and the step after which activation_offload's
+    change it last said it waits for."""
 
     trainable: Sequence[tuple[torch.Tensor, int]]
     excluded: frozenset[int]
     moment_dtype: str
-    seen_pager: Any = None
+    told_wait: int = -1
 
 
 def maybe_decide(opt: "TsdAdamW") -> None:
@@ -73,12 +74,13 @@ def maybe_decide(opt: "TsdAdamW") -> None:
         return  # the weight planner is still moving blocks: its peak is not the run's yet
     if isinstance(s.act_pager, ActivationProfiler) or s.act_refine is not None:
         return  # activation_offload="auto" has not decided yet, or will bring pages back first
-    if isinstance(s.act_pager, ActivationPager) and s.act_pager is not pending.seen_pager:
-        pending.seen_pager = s.act_pager  # paging began after this step: measure one step with it
-        if s.cuda:
-            torch.cuda.reset_peak_memory_stats(s.device)
-        s.events.append("optimizer_gpu_fraction=auto: decides after the next step (activation paging began; "
-                        "its peak is measured first)")
+    if not activation_auto.settled(s):
+        # It changed what is paged or recomputed after this step: measure one step with it.
+        if pending.told_wait != s.activations_changed_at:
+            pending.told_wait = s.activations_changed_at
+            s.events.append(f"optimizer_gpu_fraction=auto: decides after the next step (activation_offload=auto "
+                            f"changed what is paged or recomputed after step {s.activations_changed_at}; the peak "
+                            f"with it is measured first)")
         return
     s.auto_share = None
     budget, peak = s.measured_vram()

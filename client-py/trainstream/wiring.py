@@ -590,7 +590,6 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: Union
         if session.planner is not None and session.pager.reset_measure is not None:
             session.pager.reset_measure()  # the first step's peak is the first measurement
     if prep.auto_share is not None and handle is not None:
-        prep.auto_share.seen_pager = session.act_pager  # the pager (or profiler) the first step runs with
         session.auto_share = prep.auto_share
         session.events.append(plan.gpu_share.why)
     elif opts["optimizer_gpu_fraction"] == "auto" and share is None:

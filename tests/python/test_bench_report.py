@@ -529,10 +529,11 @@ def test_a_run_is_settled_once_every_auto_decision_is_made():
     from trainstream.paging.activations import ActivationProfiler
 
     profiler = ActivationProfiler.__new__(ActivationProfiler)  # only its type is read
-    done = SimpleNamespace(planner=SimpleNamespace(done=True), act_pager=None, auto_share=None)
+    done = SimpleNamespace(planner=SimpleNamespace(done=True), act_pager=None, act_refine=None, auto_share=None)
     assert finetune_child.decisions_made(None) and finetune_child.decisions_made(done)
     assert finetune_child.decisions_made(SimpleNamespace(planner=None, act_pager=object(), auto_share=None))
-    for pending in (dict(planner=SimpleNamespace(done=False)), dict(act_pager=profiler), dict(auto_share=object())):
+    for pending in (dict(planner=SimpleNamespace(done=False)), dict(act_pager=profiler), dict(act_refine=object()),
+                    dict(auto_share=object())):
         assert not finetune_child.decisions_made(SimpleNamespace(**{**vars(done), **pending})), pending
 
 

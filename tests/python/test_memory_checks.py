@@ -378,6 +378,7 @@ def test_decision_after_a_first_step_that_paged_by_itself(weights):
     # Measured 1050 MiB with 200 MiB paged: unpaged 1250 MiB, 250 MiB over the 1000 MiB limit.
     session = SimpleNamespace(
         act_pager=prof, cuda=True, client=None, device=torch.device("cpu"), events=[], steps=1, act_refine=None,
+        activations_changed_at=-1,
         arena=PinnedHost(pin=False), memory_plan=None, check_memory=False,
         planner=object() if weights else None, pager=SimpleNamespace(reinstall=lambda: None) if weights else None,
         measured_vram=lambda: (Budget(vram_usable=1100 * MiB), 1050 * MiB))
@@ -498,6 +499,18 @@ def test_activation_pages_come_back_once_the_plan_settles(room_for):
     assert any("activation_offload=auto after step 2: measured peak" in e and
                f"blocks {'1-2' if room_for == 2 else '0-2'} ({format_bytes(3 * per - len(paged) * per)}) stay on "
                f"the device" in e for e in session.events), session.events
+    # The step's peak was measured with the old pages, and the blocks that came back take the room
+    # it left: the GPU share and the switch wait for a step measured with the new layout (with every
+    # page back there is no pager left to tell them; on the H100 the share took the same room).
+    session.by_param = {}
+    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+    maybe_switch_to_stock(opt)  # type: ignore[arg-type]
+    assert session.auto_share is not None and not hasattr(session, "offload")
+    assert any("decides after the next step (activation_offload=auto changed what is paged or recomputed after "
+               "step 2" in e for e in session.events), session.events
+    session.steps = 3
+    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+    assert session.auto_share is None and "optimizer_gpu_fraction=auto after step 3" in session.events[-1]
     # The old pager's hooks are gone: a step pages only what the new one does, bit for bit the same.
     x = torch.randn(32, 64)
     model(x).square().sum().backward()

@@ -165,6 +165,9 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     activation_auto.maybe_refine(session)
     assert session.act_refine is None and session.act_pager is None and session.activation_host_bytes == 0
     assert session.arena.trims[-1] == 0  # every page's host memory goes back to tsd
+    assert not activation_auto.settled(session)  # the GPU share waits for a step measured without the pages
+    session.steps = 3
+    assert activation_auto.settled(session)
     stays = [0, 1, 2][:3 - room_for]
     assert session.recompute.blocks_recomputed == stays, session.events
     assert [recomputed(b) for b in model.layers] == [i in stays for i in range(4)]
