@@ -331,9 +331,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--moment-dtype", default="auto")
     ap.add_argument("--activation-offload", default="0.25",
                     help="share of the decoder layers the *_act modes page, or auto (default 0.25)")
-    ap.add_argument("--activation-recompute", default="false",
-                    help="the *_act modes' wrap(activation_recompute=): false (default), auto (recompute the blocks "
-                         "activation_offload=auto keeps paging once its plan settles), true or a fraction")
+    ap.add_argument("--activation-recompute", default="auto",
+                    help="the *_act modes' wrap(activation_recompute=): auto (default, as wrap()'s: recompute the "
+                         "blocks activation_offload=auto keeps paging once its plan settles; with another "
+                         "--activation-offload, false), false (keep paging: the default until 2026-12-07, which earlier "
+                         "records ran with), true or a fraction")
     ap.add_argument("--offload", default="true",
                     help="the tsd modes' wrap(offload=): true (default: the optimizer always in tsd) or auto (wrap's "
                          "default: stock AdamW on the GPU after two steps when it fits, e.g. LoRA adapters)")

@@ -74,6 +74,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     moment_dtype = "bfloat16" if a.mode.startswith("tsd_bf16m") else a.moment_dtype
     activation_offload = option_value(a.activation_offload) if a.mode.endswith("_act") else False
     activation_recompute = option_value(a.activation_recompute) if a.mode.endswith("_act") else False
+    if activation_recompute == "auto" and activation_offload != "auto":
+        activation_recompute = False  # "auto" acts on activation_offload="auto"'s pages: with another, none
     param_offload = option_value(a.param_offload) if a.param_offload else False
     stock_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4 if lora else 1e-5)
     autocast = cuda and not lora

@@ -27,7 +27,7 @@ from torch import nn
 from . import planner
 from .blockplan import MARGIN
 from .paging.activations import page_blocks, trim_pages_host
-from .paging.recompute import recompute_blocks
+from .paging.recompute import recompute_blocks, state_in_forward
 
 if TYPE_CHECKING:
     from .engine import Session
@@ -94,6 +94,13 @@ def maybe_refine(session: "Session") -> None:
     kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN)
     head = f"activation_offload=auto after step {session.steps}: {why}"
     recompute = bool(kept) and getattr(session, "recompute_auto", False)
+    stateful = [(i, what) for i in kept if (what := state_in_forward(pending.blocks[i]))] if recompute else []
+    if stateful:
+        # Recomputing such a block would update its state twice a step: the pages stay.
+        i, what = stateful[0]
+        session.events.append(f"activation_recompute=auto: the paged blocks stay paged, not recomputed: block {i}'s "
+                              f"{what} would be updated twice a step")
+        recompute = False
     if not back and not recompute:
         session.events.append(f"{head}; the pages stay as they are")
         return

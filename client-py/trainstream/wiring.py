@@ -58,7 +58,7 @@ OPTIONS: dict[str, Any] = {
     "param_offload": "auto", "activation_offload": "auto", "quantize": None, "prefer": "exact", "quant_block_size": 64,
     "job": None, "quota": None, "socket": None, "seed": 0, "param_dtype": None, "prefetch_depth": None,
     "keep_for": None, "resume": False, "overlap_forward": False, "optimizer_gpu_fraction": 0.0,
-    "expandable_segments": "auto", "clip_speculation": "auto", "activation_recompute": False}
+    "expandable_segments": "auto", "clip_speculation": "auto", "activation_recompute": "auto"}
 OPTIONS["distributed"] = "auto"  # data parallel over torch.distributed (distributed.py)
 
 

@@ -127,18 +127,25 @@ def test_recompute_options_are_checked(tsd, bad, says):
     assert [type(b) for b in model.blocks] == before  # nothing changed
 
 
-def test_recompute_auto_needs_activation_offload_auto(tsd):
+def test_recompute_auto_is_the_default_and_needs_activation_offload_auto(tsd):
+    """"auto" is the default; asked for by name beside another activation_offload, it is an error
+    (it acts on "auto"'s pages only); the default beside another activation_offload does nothing."""
     model = make_gpt(0, layers=2, d=32)
     with pytest.raises(ValueError, match="activation_recompute='auto' recomputes the blocks activation_offload='auto'"):
         trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
                          activation_offload=True, activation_recompute="auto")
+    for kw in (dict(activation_recompute="auto"), dict(), dict(activation_offload=True)):
+        model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
+                                      **kw)
+        try:
+            s = unwrap_session(model)
+            assert s.recompute_auto and s.recompute is None, kw  # nothing until activation_offload="auto" pages
+        finally:
+            trainstream.unwrap(model)
     model, opt = trainstream.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", socket=tsd.socket,
-                                  activation_recompute="auto")
-    try:
-        s = unwrap_session(model)
-        assert s.recompute_auto and s.recompute is None  # nothing until activation_offload="auto" pages
-    finally:
-        trainstream.unwrap(model)
+                                  activation_recompute=False)
+    assert not unwrap_session(model).recompute_auto
+    trainstream.unwrap(model)
 
 
 @pytest.mark.parametrize("room_for", [0, 2])
@@ -177,6 +184,30 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     ref(x).square().sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
     session.recompute.remove()
+
+
+def test_recompute_auto_keeps_the_pages_of_blocks_with_batch_norm_statistics():
+    """A recompute would update BatchNorm's running statistics twice a step: "auto" leaves such
+    pages as they are, and says why."""
+    from types import SimpleNamespace
+
+    from test_memory_checks import MiB, Tower, TrimsSeen, first_step_paged
+    from trainstream import activation_auto
+    from trainstream.optim import decide_activation_offload
+
+    model = Tower()
+    model.layers[1].append(nn.BatchNorm1d(64))
+    session = first_step_paged(model, 100 * MiB, SimpleNamespace(done=True), lambda: 1900 * MiB - 50 * MiB,
+                               recompute_auto=True)
+    session.arena = TrimsSeen()
+    decide_activation_offload(session)
+    pager = session.act_pager
+    session.steps = 2
+    activation_auto.maybe_refine(session)
+    assert session.recompute is None and session.act_pager is pager and session.act_refine is None
+    assert any("block 1's 3 (BatchNorm1d: its running statistics) would be updated twice a step" in e
+               for e in session.events), session.events
+    pager.remove()
 
 
 @pytest.mark.parametrize("lora", [False, True])

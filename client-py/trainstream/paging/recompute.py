@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..units import block_ranges
 from .activations import in_backward
 
-__all__ = ["Recomputer", "recompute_blocks", "recomputed"]
+__all__ = ["Recomputer", "recompute_blocks", "recomputed", "state_in_forward"]
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -74,6 +74,16 @@ _HF_SETTINGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 def _hf_layer(block: nn.Module) -> bool:
     """A Hugging Face layer with checkpointing of its own (transformers' GradientCheckpointingLayer)."""
     return any(c.__name__ == "GradientCheckpointingLayer" for c in type(block).__mro__)
+
+
+def state_in_forward(block: nn.Module) -> str:
+    """The first submodule of `block` whose training forward updates state besides its outputs,
+    which a recompute would update twice ("" if none found): batch normalization's running
+    statistics. (Other writes, such as a cache a custom block keeps, cannot be seen from outside.)"""
+    for name, m in block.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            return f"{name or 'the block'} ({type(m).__name__}: its running statistics)"
+    return ""
 
 
 def recomputed(block: nn.Module) -> bool:
