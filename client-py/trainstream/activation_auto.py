@@ -94,10 +94,11 @@ def maybe_refine(session: "Session") -> None:
     kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN)
     head = f"activation_offload=auto after step {session.steps}: {why}"
     recompute = bool(kept) and getattr(session, "recompute_auto", False)
-    stateful = [(i, what) for i in kept if (what := state_in_forward(pending.blocks[i]))] if recompute else []
-    if stateful:
+    stateful = next(((i, what) for i in kept if (what := state_in_forward(pending.blocks[i]))), None) \
+        if recompute else None
+    if stateful is not None:
         # Recomputing such a block would update its state twice a step: the pages stay.
-        i, what = stateful[0]
+        i, what = stateful
         session.events.append(f"activation_recompute=auto: the paged blocks stay paged, not recomputed: block {i}'s "
                               f"{what} would be updated twice a step")
         recompute = False

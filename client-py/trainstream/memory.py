@@ -188,27 +188,29 @@ class HostArena:
     def trim(self, keep_bytes: int = 0) -> int:
         """Frees empty regions back to tsd (their quota with them), largest kept first, until
         `keep_bytes` of capacity remain; waits for the copies of released blocks first. A region
-        with a block in use stays. Returns the bytes freed."""
+        with a block in use stays. Returns the bytes freed; an error from tsd is raised with the
+        arena whole (the regions freed before it gone, the rest usable)."""
         freed = 0
         with self._lock:
             self._reclaim(wait=True)
             room = sum(c.region.size for c in self.chunks if c.used)
-            kept: list[_Chunk] = []
             for c in sorted(self.chunks, key=lambda c: -c.region.size):
-                if c.used or room < keep_bytes:
-                    kept.append(c)
-                    room += 0 if c.used else c.region.size
+                if c.used:
+                    continue  # counted in `room` already
+                if room < keep_bytes:
+                    room += c.region.size
                     continue
                 c.base = None  # the arena's own view of it
                 try:
                     self.client.free(c.region)
-                except FailedPrecondition:
-                    c.base = c.region.view(torch.uint8)  # a view of it is still alive somewhere: it stays
-                    kept.append(c)
+                except BaseException as e:
+                    c.base = c.region.view(torch.uint8)  # it stays: a view of it is alive, or tsd failed
+                    if not isinstance(e, FailedPrecondition):
+                        raise
                     room += c.region.size
                     continue
+                self.chunks.remove(c)  # as it goes: an error on a later region leaves the arena whole
                 freed += c.region.size
-            self.chunks = [c for c in self.chunks if c in kept]
         return freed
 
     def close(self) -> None:

@@ -504,11 +504,11 @@ def maybe_switch_to_stock(opt: "TsdAdamW") -> None:
     with blocks paged, offloading stays (their parameter slots in tsd are their only copy);
     settled with nothing paged, it is decided as if there were no pager, and a switch releases the
     pager (no hook, plain parameters on the device). It waits for activation_offload="auto"'s
-    refinement too, and for a step measured after it changed anything (activation_auto.py). Once decided, `s.offload` is True or the share holds
-    everything, so it is decided once."""
+    refinement too, and for a step measured after it changed anything (activation_auto.py). Once
+    decided, `s.offload` is True or the share holds everything, so it is decided once."""
     s = opt._session
     if not activation_auto.settled(s):
-        return  # activation_offload="auto" brings back the pages the settled plan has room for first
+        return  # activation_offload="auto" refines its pages first, then a step measures them
     pager = s.pager
     if pager is not None:
         if pager.auto and s.planner is not None and not s.planner.done:

@@ -97,6 +97,18 @@ def test_arena_trim_gives_empty_regions_back_down_to_what_is_kept(tsd):
         del kept_view
         gc.collect()
         busy = arena.alloc(300)  # best fit: the 64 KiB region, now in use
+        # tsd failing on the free: raised, and the arena is whole (its region still serves blocks).
+        def gone(region):
+            raise trainstream.DaemonUnavailable("tsd is gone")
+
+        c.free = gone
+        with pytest.raises(trainstream.DaemonUnavailable):
+            arena.trim(0)
+        del c.free
+        assert arena.capacity_bytes == 264 * KiB == used(c)
+        probe = arena.alloc(150 * KiB)  # only the 200 KiB region fits it
+        assert torch.all(probe.data.fill_(5) == 5)
+        probe.release()
         assert arena.trim(0) == 200 * KiB and used(c) == 64 * KiB == arena.capacity_bytes
         busy.data.fill_(3)  # still valid memory
         busy.release()

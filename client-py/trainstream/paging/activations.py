@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..allocator import budget_binds
-from ..errors import QuotaExceeded
+from ..errors import QuotaExceeded, TsdError
 from ..memory import HostBlock, HostMemory, PinnedHost
 from ..compiled import eager, forget_compiled
 from ..units import block_ranges, format_bytes
@@ -574,8 +574,6 @@ def trim_pages_host(session: Any, keep_bytes: int, why: str) -> None:
     job's quota), when the pages a step needs have shrunk for good: the decision after the first
     step pages less than it did, or the refinement brings pages back or recomputes them. Logs it
     in the session's events; a daemon that cannot answer leaves the arena as it is."""
-    from ..errors import TsdError
-
     arena = session.arena
     if arena is None:
         return
