@@ -239,7 +239,7 @@ def child_argv(mode: str, a: argparse.Namespace, socket: Optional[str] = None) -
             "--clip", str(a.clip), "--overlap", a.overlap, *common, *(["--peers", a.peers] if a.peers else []),
             *(["--param-offload", a.param_offload] if a.param_offload else []), "--offload", a.offload,
             *(["--load-model"] if a.load_model else []), *(["--save-restore"] if a.save_restore else []),
-            *(["--profile-step", str(a.profile_step), "--entry", entry] if a.profile_step else []),
+            *(["--profile-step", str(a.profile_step)] if a.profile_step else []), "--entry", entry,
             *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []), "--gpu-fraction", a.gpu_fraction,
             *(["--loader-workers", str(a.loader_workers)] if a.loader_workers else [])]
 

@@ -5,9 +5,11 @@ CUDA events, optionally profiles one step and saves and restores, and prints its
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import pickle
+import pstats
 import re
 import runpy
 import sys
@@ -140,6 +142,9 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         session.timeline = timeline
     marks: list[tuple[int, int, int, int, int]] = []  # step, start, forward, backward, step() ends (ns)
     timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
+    # TSD_BENCH_STEP_PROFILE=FOLDER: the Python calls of the settled steps' step() (cProfile), by
+    # cumulative time, into FOLDER/step-calls-MODE.txt: where step() waits.
+    step_calls = cProfile.Profile() if os.environ.get("TSD_BENCH_STEP_PROFILE") else None
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
         sync()
@@ -174,7 +179,11 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         _PROGRESS["phase"] = "optimizer step"
         if clip is not None:
             clip()
+        if step_calls is not None and settled_after is not None:
+            step_calls.enable()
         opt.step()
+        if step_calls is not None:
+            step_calls.disable()
         step_ms.append((time.perf_counter() - ts) * 1e3)
         marks.append((step, t_ns, fwd_ns, bwd_ns, time.monotonic_ns()))
         opt.zero_grad(set_to_none=True)
@@ -199,6 +208,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
             fwd_ms.append((tb - t) * 1e3)
             bwd_ms.append((ts - tb) * 1e3)
 
+    if step_calls is not None:
+        write_step_calls(step_calls, a.entry or a.mode)
     if session is not None and hasattr(opt, "synchronize"):
         opt.synchronize()  # the last step's updates, owed with overlap_forward
     sync()
@@ -398,6 +409,16 @@ def window_phases(marks: list[tuple[int, int, int, int, int]], first: int,
         else:
             out.append(("drain", done, drained_ns))
     return out
+
+
+def write_step_calls(prof: "cProfile.Profile", mode: str) -> None:
+    """The profile of the settled steps' step() calls, by cumulative and by own time."""
+    folder = os.environ["TSD_BENCH_STEP_PROFILE"]
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"step-calls-{safe_name(mode)}.txt"), "w") as f:
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(prof, stream=f).sort_stats(key).print_stats(25)
+        pstats.Stats(prof, stream=f).sort_stats("cumulative").print_callers(r"wait|synchronize|commit|idle")
 
 
 def safe_name(mode: str) -> str:
