@@ -308,7 +308,8 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
         # retried, over the timed steps: a run planned close to its cap pays for each.
         alloc_retries=sum(retries) if cuda else None,
         alloc_retries_per_step=retries if cuda else None,
-        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e][-6:],
+        plan=[e for e in events if "plan" in e or "offload" in e or "activation" in e or "gpu_fraction" in e
+              or "watchdog" in e][-8:],
         # setup_s split: the model built and on its device, then wrap() (its event line says
         # where wrap()'s time went: the plan, the registration in tsd, the parameters' copies)
         build_s=built_s, wrap_s=(setup_s - built_s if a.mode in TSD_MODES else None),

@@ -54,11 +54,19 @@ class Refine:
 
 def changed(session: "Session") -> None:
     """Records that what is paged or recomputed changed after this step: torch's peak restarts so
-    that the next step measures the new layout, and the decisions made from a measured peak wait
-    for it (`settled`)."""
+    that the next step measures the new layout, the weight planner (param_offload="auto") refines
+    its settled plan again from that step, and the decisions made from a measured peak wait for
+    it (`settled`; the GPU share and offload="auto"'s switch also wait for the weight plan to
+    settle again)."""
     session.activations_changed_at = session.steps
     if session.cuda and session.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(session.device)
+    weights_plan = getattr(session, "planner", None)
+    if weights_plan is not None and hasattr(weights_plan, "remeasure"):
+        # The weight plan was settled with the old layout: it refines again (blockplan.remeasure).
+        weights_plan.remeasure(f"activation_offload=auto changed what is paged or recomputed after step "
+                               f"{session.steps}")
+        session.events.extend(weights_plan.take_events())
 
 
 def settled(session: "Session") -> bool:

@@ -20,6 +20,9 @@ pager (`trainstream.paging.weights`) asks it three things:
   (`done`).
 * `watch(peak, paged)`: once settled, the watchdog: when a later step peaks over the target (a
   longer sequence, a larger batch), it pages one more block per step.
+* `remeasure(why)`: what the activations hold changed (activation_offload="auto"'s refinement
+  brought pages back or recomputes them): the plan refines again from the next step's peak, as
+  after the first steps, and settles again.
 
 Every decision is appended to `events` as a sentence (the session moves them to its own log),
 with the PCIe traffic the plan costs: `h2d_bytes_per_step(paged)`, each paged block's crossings
@@ -243,6 +246,20 @@ class MemoryPlanner:
                            f"{format_bytes(self.target)}: paged block {', '.join(map(str, added))}; "
                            f"{self.describe(new)}")
         return new
+
+    def remeasure(self, why: str) -> None:
+        """Something besides the weights changed what the steps hold in VRAM (`why`): a settled plan
+        goes back to refining, so that the next step's peak moves as many blocks as it needs at
+        once, then settles again. The watchdog would page one block per step, and each move waits
+        for every update tsd owes the model (the pager reads and writes the slots): measured on the
+        H100 (Qwen2.5-1.5B, 8x512, a 12 GiB cap), recomputing 27 blocks instead of paging their
+        activations raised the peak, and the watchdog paged four more blocks, one step at a time."""
+        if not self.done:
+            return
+        self.done = False
+        self.steady = 0
+        self.events.append(f"memory plan: measured again from the next step ({why}); it may move several blocks at "
+                           f"once, then settles again")
 
     def observe(self, peak: int, paged: set[int]) -> Optional[set[int]]:
         """`refine` until the plan settled, the watchdog after."""

@@ -130,6 +130,26 @@ def test_the_watchdog_pages_one_block_per_grown_step():
     assert len(p.take_events()) == 2 and p.events == []
 
 
+def test_remeasure_refines_a_settled_plan_again_moving_several_blocks_at_once():
+    """What the activations hold changed (activation_offload="auto" recomputes instead of paging):
+    a settled plan refines again from the next peak, paging as many blocks as that peak needs in one
+    move (the watchdog would page one per step, each move waiting for every update), then settles."""
+    p = MemoryPlanner(Budget(vram_usable=1000), [100] * 6)
+    p.remeasure("not settled yet")
+    assert not p.done and p.events == []  # refining already: nothing to say
+    for _ in range(2):
+        assert p.observe(900, {0}) is None
+    assert p.done
+    p.take_events()
+    p.remeasure("activation_offload=auto changed what is paged or recomputed after step 4")
+    assert not p.done and p.steady == 0
+    assert "measured again from the next step (activation_offload=auto changed" in p.events[-1]
+    new = p.observe(1250, {0})  # 300 over the target (950): at least three more blocks, at once
+    assert new is not None and 0 in new and len(new - {0}) >= 3, p.events
+    assert any("memory plan refined" in e for e in p.events)
+    assert p.observe(940, new) is None and p.observe(940, new) is None and p.done
+
+
 def test_planner_inputs_are_checked():
     with pytest.raises(ValueError, match="no VRAM"):
         MemoryPlanner(Budget(ram_total=1), [1])

@@ -186,6 +186,46 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     session.recompute.remove()
 
 
+def test_recompute_auto_has_a_settled_weight_plan_refine_again_before_the_share_decides():
+    """Recomputing instead of paging changes the peak the weight plan (param_offload="auto") settled
+    on: the plan refines again from the next step (several blocks at once, where the watchdog
+    would move one per step), and the GPU share waits until it settles again."""
+    from types import SimpleNamespace
+
+    from test_memory_checks import MiB, Tower, TrimsSeen, first_step_paged
+    from trainstream import activation_auto, share_auto
+    from trainstream.optim import decide_activation_offload
+    from trainstream.planner import Budget, MemoryPlanner
+
+    model = Tower()
+    plan = MemoryPlanner(Budget(vram_usable=2000 * MiB), [10 * MiB] * 4)
+    session = first_step_paged(model, 100 * MiB, plan, lambda: 1900 * MiB - 50 * MiB, recompute_auto=True)
+    session.arena = TrimsSeen()
+    decide_activation_offload(session)  # after step 1, with the weight plan still refining
+    for _ in range(2):
+        plan.observe(1000 * MiB, set())
+    assert plan.done
+    session.steps = 2
+    activation_auto.maybe_refine(session)
+    assert session.recompute is not None and session.recompute.blocks_recomputed == [0, 1, 2]
+    assert not plan.done, session.events
+    assert any("memory plan: measured again from the next step (activation_offload=auto changed what is paged or "
+               "recomputed after step 2)" in e for e in session.events), session.events
+    session.auto_share = share_auto.Pending([], frozenset(), "float32")
+    session.by_param = {}
+    opt = SimpleNamespace(_session=session)
+    session.steps = 3
+    assert plan.observe(1000 * MiB, set()) is None  # steady once: the plan is not settled yet
+    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+    assert session.auto_share is not None and not plan.done
+    session.steps = 4
+    assert plan.observe(1000 * MiB, set()) is None
+    assert plan.done  # two steady steps
+    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+    assert session.auto_share is None and "optimizer_gpu_fraction=auto after step 4" in session.events[-1]
+    session.recompute.remove()
+
+
 def test_recompute_auto_keeps_the_pages_of_blocks_with_batch_norm_statistics():
     """A recompute would update BatchNorm's running statistics twice a step: "auto" leaves such
     pages as they are, and says why."""
