@@ -143,7 +143,7 @@ def _run_mode(a: argparse.Namespace, cuda: bool) -> None:
     marks: list[tuple[int, int, int, int, int]] = []  # step, start, forward, backward, step() ends (ns)
     timed: list[int] = []  # the step of each entry of times (the profiled one is left out)
     # TSD_BENCH_STEP_PROFILE=FOLDER: the Python calls of the settled steps' step() (cProfile), by
-    # cumulative time, into FOLDER/step-calls-MODE.txt: where step() waits.
+    # cumulative time, into FOLDER/step-calls-ENTRY.txt (the --modes entry): where step() waits.
     step_calls = cProfile.Profile() if os.environ.get("TSD_BENCH_STEP_PROFILE") else None
     for step in range(a.steps):
         _PROGRESS.update(step=step + 1, phase="forward")
