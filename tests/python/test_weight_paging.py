@@ -402,6 +402,57 @@ def test_blocks_move_between_vram_and_ram_mid_training_without_changing_results(
         trainstream.unwrap(mine)
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_move_under_overlap_forward_completes_only_its_blocks_updates_and_changes_no_result(tsd, clip):
+    """overlap_forward=True owes each step's updates to the next forward. Paging or unpaging one
+    block between steps completes the updates of that block's buckets (a page copies the updated
+    weights into its slots) and leaves the rest owed, so the next forward still overlaps them; the
+    run equals an unpaged one with overlap exactly."""
+    torch.manual_seed(0)
+    ref = Stack(d=64)
+    plain, mine = copy.deepcopy(ref), copy.deepcopy(ref)
+    data = tokens(8)
+    kw = dict(device="cpu", socket=tsd.socket, offload=True, activation_offload=False, overlap_forward=True,
+              max_grad_norm=clip)
+    plain, opt_plain = trainstream.wrap(plain, torch.optim.AdamW(plain.parameters(), **HP), **kw)
+    try:
+        c = lm_steps(plain, opt_plain, data)
+        pc = params_of(plain)
+    finally:
+        trainstream.unwrap(plain)
+    mine, opt = trainstream.wrap(mine, torch.optim.AdamW(mine.parameters(), **HP), param_offload=[0, 2], **kw)
+    s = unwrap_session(mine)
+    pager = s.pager
+    moves = {1: ([0], [1, 5]), 3: ([1, 2, 5], [3]), 5: ([], [0, 4])}  # after step k: (unpage, page)
+    owed_after: list[int] = []
+
+    def buckets_of(i):
+        return {s.by_param[id(p)].bucket for p in mine.blocks[i].parameters()}
+
+    def between(k):
+        if k not in moves:
+            return
+        unpage, page = moves[k]
+        for i in page + unpage:
+            owed = set(s.waits.pending)
+            assert owed, "overlap_forward owes the step's updates to the next forward"
+            assert pager.page(i) if i in page else pager.unpage(i)
+            left = set(s.waits.pending)
+            assert not left & buckets_of(i), f"block {i}'s updates are completed before it moves"
+            assert left == owed - buckets_of(i), "the other blocks' updates stay owed to the next forward"
+            owed_after.append(len(left))
+
+    try:
+        b = lm_steps(mine, opt, data, between)
+        opt.synchronize()
+        assert b == c  # exactly the unpaged tsd run with overlap
+        assert pager.paged == {0, 3, 4}
+        assert_same(params_of(mine), pc, "blocks moved between steps under overlap_forward")
+        assert min(owed_after) > 0
+    finally:
+        trainstream.unwrap(mine)
+
+
 def test_eval_and_generation_with_paged_blocks(tsd):
     torch.manual_seed(0)
     ref = Stack(d=64)

@@ -358,7 +358,7 @@ class WeightPager:
         b = self._block(i)
         if b.paged:
             return False
-        self._quiesce()
+        self._quiesce(b)
         # Every copy first; only when all of them succeeded are the device copies freed, so a
         # failure (tsd cannot lend the frozen weights' memory) leaves the block as it was.
         taken: list[HostBlock] = []
@@ -429,7 +429,7 @@ class WeightPager:
         b = self._block(i)
         if not b.paged:
             return False
-        self._quiesce()
+        self._quiesce(b)
         self._bring_back(b, self.device)
         if not self.paged:
             self._remove_hooks()  # nothing paged: no hook runs (param_offload="auto" on a model that fits)
@@ -562,11 +562,26 @@ class WeightPager:
     def _empty(self, w: _Weight) -> torch.Tensor:
         return torch.empty(0, dtype=w.dtype, device=self.device)
 
-    def _quiesce(self) -> None:
-        """No delivery in flight: tsd writes no slot while the pager reads or writes them."""
+    def _quiesce(self, b: Optional[_Block] = None) -> None:
+        """No delivery in flight: tsd writes no slot while the pager reads or writes them. With a
+        block `b`, only its trained weights' slots: the updates tsd owes their buckets are completed
+        (so a page reads the updated weights), the others stay owed to the next forward
+        (overlap_forward=True), where moving one block between steps would otherwise wait for the
+        whole model's update. Data parallel, or without a block: everything (`Session.idle`)."""
         s = self.session
-        if s.offloading and s.handle is not None and not s.closed:
+        if not (s.offloading and s.handle is not None and not s.closed):
+            return
+        if b is None or s.dp is not None:
             s.idle()
+            return
+        if s.cuda:
+            s.side_stream.synchronize()  # every gradient copy of the step has landed
+        s.raise_async()
+        buckets = sorted({slots.bucket for w in b.weights if w.trained
+                          for slots in [s.by_param.get(id(w.param))] if slots is not None})
+        s.wait_updates(buckets)
+        for k in buckets:
+            s.handle.wait(k)  # finished ones return at once: finish_step() took those that were not owed
 
     def _await_updates(self, b: _Block) -> None:
         """Completes the updates tsd still owes block `b`'s trained weights (overlap_forward defers
@@ -840,7 +855,7 @@ class WeightPager:
                                    f"in tsd's memory): call unwrap_session(model).pager.unpage({b.index}) before "
                                    f"load_state_dict(), or load the state before trainstream.wrap()")
             if any(prefix + n in state_dict for n in names):
-                self._quiesce()
+                self._quiesce()  # everything: the load writes the resident blocks' parameters too
                 self._drop(b)
                 self._load_now(b, self.device)
                 b.loading = True
