@@ -433,9 +433,7 @@ class Session:
         self.hyper = None
         self.steps += 1
         if self.pager is not None:
-            if self.planner is not None and not getattr(self.planner, "done", False):
-                self.wait_updates()  # the planner may page blocks: their parameters are read then
-            self.pager.after_step()
+            self.pager.after_step()  # a block the planner moves completes its own owed updates first
         _report.report_step(self, started)
         if changed is not None:
             raise hyper_changed(*changed)

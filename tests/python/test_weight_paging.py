@@ -656,14 +656,16 @@ def test_the_graph_keeps_no_weight_memory_between_forward_and_backward(tsd):
         trainstream.unwrap(model)
 
 
-def test_the_planner_drives_the_pager_from_measured_peaks(tsd):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_planner_drives_the_pager_from_measured_peaks(tsd, overlap):
     """The pager's step hook on the CPU, with the peak measurement replaced: a planner set on the
     session refines the plan (blocks move in and out between steps), settles after two steady
     steps, then its watchdog pages one block per grown step; results stay those of an unpaged
-    run, and every decision is an event."""
+    run, and every decision is an event. With overlap_forward, each move completes only its own
+    block's owed updates: after every step some updates are still owed to the next forward."""
     make = lambda: make_gpt(0, layers=6, d=32)  # noqa: E731
     data = batches(8)
-    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 8, data=data)
+    a, pa, _, _ = wrapped_run(tsd, make, "cpu", 8, data=data, overlap_forward=overlap)
     steps = []
 
     def setup(model, s):
@@ -679,11 +681,14 @@ def test_the_planner_drives_the_pager_from_measured_peaks(tsd):
 
     plans = []
 
+    owed = []
+
     def between(k, model, s):
         plans.append((sorted(s.pager.paged), s.planner.done))
+        owed.append(len(s.waits.pending))
 
     b, pb, events, s = wrapped_run(tsd, make, "cpu", 8, data=data, param_offload=[0, 1, 2, 3, 4],
-                                   after_wrap=setup, between=between)
+                                   after_wrap=setup, between=between, overlap_forward=overlap)
     # 1650 with 5 paged: two more resident fit under the target (1900), a third would not (1950);
     # 1850 with 3 paged: steady, twice: settled; step 6 grows: the watchdog pages one block.
     assert [len(p) for p, _ in plans] == [3, 3, 3, 3, 3, 4, 4, 4], plans
@@ -693,6 +698,7 @@ def test_the_planner_drives_the_pager_from_measured_peaks(tsd):
     assert any(e.startswith("memory watchdog: step 6 peaked") for e in events), events
     assert b == a
     assert_same(pb, pa, "planner-driven moves")
+    assert all(owed) if overlap else not any(owed), owed
 
 
 def test_frozen_weights_that_tsd_cannot_hold_are_refused_and_nothing_stays(tsd):
