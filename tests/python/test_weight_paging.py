@@ -402,17 +402,18 @@ def test_blocks_move_between_vram_and_ram_mid_training_without_changing_results(
         trainstream.unwrap(mine)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_a_move_under_overlap_forward_completes_only_its_blocks_updates_and_changes_no_result(tsd, clip):
+def test_a_move_under_overlap_forward_completes_only_its_blocks_updates_and_changes_no_result(tsd, clip, device):
     """overlap_forward=True owes each step's updates to the next forward. Paging or unpaging one
     block between steps completes the updates of that block's buckets (a page copies the updated
     weights into its slots) and leaves the rest owed, so the next forward still overlaps them; the
     run equals an unpaged one with overlap exactly."""
     torch.manual_seed(0)
     ref = Stack(d=64)
-    plain, mine = copy.deepcopy(ref), copy.deepcopy(ref)
-    data = tokens(8)
-    kw = dict(device="cpu", socket=tsd.socket, offload=True, activation_offload=False, overlap_forward=True,
+    plain, mine = copy.deepcopy(ref).to(device), copy.deepcopy(ref).to(device)
+    data = tokens(8, device=device)
+    kw = dict(device=device, socket=tsd.socket, offload=True, activation_offload=False, overlap_forward=True,
               max_grad_norm=clip)
     plain, opt_plain = trainstream.wrap(plain, torch.optim.AdamW(plain.parameters(), **HP), **kw)
     try:
