@@ -250,10 +250,10 @@ class MemoryPlanner:
     def remeasure(self, why: str) -> None:
         """Something besides the weights changed what the steps hold in VRAM (`why`): a settled plan
         goes back to refining, so that the next step's peak moves as many blocks as it needs at
-        once, then settles again. The watchdog would page one block per step, and each move waits
-        for every update tsd owes the model (the pager reads and writes the slots): measured on the
-        H100 (Qwen2.5-1.5B, 8x512, a 12 GiB cap), recomputing 27 blocks instead of paging their
-        activations raised the peak, and the watchdog paged four more blocks, one step at a time."""
+        once, then settles again. The watchdog would page one block per step: measured on the H100
+        (Qwen2.5-1.5B, 8x512, a 12 GiB cap), recomputing 27 blocks instead of paging their
+        activations raised the peak, and the watchdog paged four more blocks, one step at a time,
+        each move then waiting in `step()` for every update tsd owed the model."""
         if not self.done:
             return
         self.done = False

@@ -577,8 +577,8 @@ class WeightPager:
         if s.cuda:
             s.side_stream.synchronize()  # every gradient copy of the step has landed
         s.raise_async()
-        buckets = sorted({slots.bucket for w in b.weights if w.trained
-                          for slots in [s.by_param.get(id(w.param))] if slots is not None})
+        by = s.by_param  # a trained weight moved to the GPU share has left it: tsd owes it nothing
+        buckets = sorted({by[id(w.param)].bucket for w in b.weights if w.trained and id(w.param) in by})
         s.wait_updates(buckets)
         for k in buckets:
             s.handle.wait(k)  # finished ones return at once: finish_step() took those that were not owed
