@@ -1,5 +1,5 @@
-"""`activation_offload="auto"` after its first decision: the pages the settled plan has room for
-come back to the device, once.
+"""`activation_offload="auto"` after its first decision: the blocks it paged (or recomputes) that
+the settled plan has room for keep their activations on the device again, once.
 
 The decision after the first step (`optim.decide_activation_offload`) pages for a peak it could
 only estimate. When the first step began paging by itself, it keeps as many bytes paged as that
@@ -15,6 +15,10 @@ takes back the last paged blocks (made last, needed first in backward) whose sav
 (`planner.activations_to_keep`). It decides once. The GPU share (`optimizer_gpu_fraction="auto"`)
 decides after it, with one step measured with the new pages (share_auto.py). Results are bit-
 identical either way: paging moves the saved tensors, it does not change them.
+
+With `activation_recompute="auto"` (the default) the first decision recomputes the blocks it
+would page (`optim.recompute_first`), and this refinement stops recomputing the last of them the
+settled peak has room for, by the same rule; a block whose forward updates state stays paged.
 """
 from __future__ import annotations
 
@@ -27,20 +31,21 @@ from torch import nn
 from . import planner
 from .blockplan import MARGIN
 from .paging.activations import page_blocks, trim_pages_host
-from .paging.recompute import recompute_blocks, state_in_forward
+from .paging.recompute import recompute_blocks, state_in_forward, stop_recomputing
 
 if TYPE_CHECKING:
     from .engine import Session
 
-__all__ = ["Refine", "changed", "maybe_refine", "settled"]
+__all__ = ["Refine", "changed", "maybe_refine", "settled", "stateful"]
 
 
 @dataclasses.dataclass
 class Refine:
     """What the decision after the first step leaves for the refinement: the model's block stack
-    (`name`, `blocks`), the blocks it paged (`chosen`, indices into `blocks`), the bytes each block
-    saved (the profiler's measurement), the pager's `min_bytes`, the pager it installed for them
-    and the step after which it did (`after_step`)."""
+    (`name`, `blocks`), the blocks it took off the device (`chosen`, indices into `blocks`: paged,
+    or recomputed when `recomputing`), the bytes each block saved (the profiler's measurement), the
+    pager's `min_bytes`, the pager it installed for them (None when recomputing) and the step after
+    which it did (`after_step`)."""
 
     model: nn.Module
     name: Optional[str]
@@ -50,6 +55,7 @@ class Refine:
     min_bytes: int
     pager: Any
     after_step: int
+    recomputing: bool = False  # activation_recompute="auto": `chosen` are recomputed, not paged
 
 
 def changed(session: "Session") -> None:
@@ -79,6 +85,16 @@ def settled(session: "Session") -> bool:
     return session.act_refine is None and session.steps > session.activations_changed_at
 
 
+def stateful(blocks: list[nn.Module], indices: list[int]) -> str:
+    """Why blocks `indices` of `blocks` must not be recomputed ("" if nothing says so): the first
+    whose forward updates state a recompute would update twice a step (recompute.state_in_forward)."""
+    for i in indices:
+        what = state_in_forward(blocks[i])
+        if what:
+            return f"block {i}'s {what} would be updated twice a step"
+    return ""
+
+
 def maybe_refine(session: "Session") -> None:
     """After a step: brings back the paged blocks the measured peak leaves room for, when a step
     has run with the pages and the weight plan (if any) has settled; else waits for the next step.
@@ -86,7 +102,12 @@ def maybe_refine(session: "Session") -> None:
     pending: Optional[Refine] = getattr(session, "act_refine", None)
     if pending is None:
         return
-    if session.act_pager is not pending.pager:
+    if pending.recomputing:
+        done = session.recompute
+        if done is None or not set(pending.chosen) <= set(done.indices):
+            session.act_refine = None  # the recomputes were changed by something else
+            return
+    elif session.act_pager is not pending.pager:
         session.act_refine = None  # the pages were changed by something else: nothing to refine
         return
     weights_plan = getattr(session, "planner", None)
@@ -99,16 +120,17 @@ def maybe_refine(session: "Session") -> None:
     usable = budget.vram_usable
     if usable is None:
         return
-    kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN)
+    kept, back, why = planner.activations_to_keep(peak, usable, pending.chosen, pending.block_bytes, MARGIN,
+                                                  recomputed=pending.recomputing)
     head = f"activation_offload=auto after step {session.steps}: {why}"
+    if pending.recomputing:
+        _recompute_fewer(session, pending, back, head)
+        return
     recompute = bool(kept) and getattr(session, "recompute_auto", False)
-    stateful = next(((i, what) for i in kept if (what := state_in_forward(pending.blocks[i]))), None) \
-        if recompute else None
-    if stateful is not None:
+    unsafe = stateful(pending.blocks, kept) if recompute else ""
+    if unsafe:
         # Recomputing such a block would update its state twice a step: the pages stay.
-        i, what = stateful
-        session.events.append(f"activation_recompute=auto: the paged blocks stay paged, not recomputed: block {i}'s "
-                              f"{what} would be updated twice a step")
+        session.events.append(f"activation_recompute=auto: the paged blocks stay paged, not recomputed: {unsafe}")
         recompute = False
     if not back and not recompute:
         session.events.append(f"{head}; the pages stay as they are")
@@ -128,3 +150,13 @@ def maybe_refine(session: "Session") -> None:
     session.activation_host_bytes = sum(pending.block_bytes[i] for i in kept)
     trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged after the refinement")
 
+
+
+def _recompute_fewer(session: "Session", pending: Refine, back: list[int], head: str) -> None:
+    """The refinement of blocks the first decision recomputes: those of them the settled peak has
+    room for (`back`) keep their saved activations from the next step on; the rest stay recomputed."""
+    if not back:
+        session.events.append(f"{head}; the recomputed blocks stay recomputed")
+        return
+    changed(session)
+    stop_recomputing(session, pending.blocks, back, why=f" ({head})")

@@ -15,6 +15,7 @@ from .allocator import budget_binds
 from .engine import ParamSlots, Session
 from .errors import MemoryCheckFailed, Refusal, TsdError
 from .paging.activations import ActivationProfiler, page_blocks, trim_pages_host
+from .paging.recompute import recompute_blocks
 from .progress import Progress
 
 # A file the optimizer's state streams to or from: a descriptor, or an object with fileno().
@@ -392,11 +393,12 @@ def decide_activation_offload(session: Session) -> None:
         # weight planner refines from was measured so. Keeping them paged keeps that measurement true
         # (moving them back while the planner moves weights in could overrun the budget at once).
         chosen = [i for i, n in enumerate(prof.block_bytes) if n > 0] or list(range(len(prof.blocks)))
-        page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
-                    why=" (activation_offload=auto after the first step: it paged them beside every block's "
-                        "weights to fit a tight budget, and they stay paged so that the weight planner's measured "
-                        "peak holds; once its plan settles, those the peak has room for come back)",
-                    min_bytes=prof.min_bytes)
+        why = ("activation_offload=auto after the first step: it paged them beside every block's weights to fit a "
+               "tight budget, and they stay off the device so that the weight planner's measured peak holds; once "
+               "its plan settles, those the peak has room for come back")
+        if recompute_first(session, prof, chosen, why):
+            return
+        page_blocks(session, prof.model, prof.name, prof.blocks, chosen, why=f" ({why})", min_bytes=prof.min_bytes)
         refine_later(session, prof, chosen)
         check_activation_host(session, session.arena.capacity_bytes if session.arena is not None else 0)
         return
@@ -434,6 +436,8 @@ def decide_activation_offload(session: Session) -> None:
                               f"{per_block})")
         trim_pages_host(session, 0, "the first step's pages are not needed")
         return
+    if recompute_first(session, prof, chosen, f"activation_offload=auto after the first step: {why}"):
+        return
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                 why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
     refine_later(session, prof, chosen)
@@ -448,13 +452,40 @@ def decide_activation_offload(session: Session) -> None:
     trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged than the first step did")
 
 
-def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int]) -> None:
-    """Leaves the pages just chosen for activation_auto.maybe_refine, which brings back those the
-    settled plan's measured peak has room for; torch's peak restarts so that the next step measures
-    them (the weight planner resets it too, after each step it refines)."""
+def recompute_first(session: Session, prof: ActivationProfiler, chosen: list[int], why: str) -> bool:
+    """activation_recompute="auto": the blocks the first decision takes off the device (`chosen`)
+    are recomputed in backward from the next step on rather than paged, unless one of them updates
+    state in its forward (activation_auto.stateful). Returns whether it did; else the caller pages
+    them. Deciding this after the first step, not once the memory plan settles, spares the run a
+    second layout: measured on the H100 (Qwen2.5-1.5B, 8x512, 12 GiB), paging first and recomputing
+    after the weight plan settled moved the peak under that settled plan, and its watchdog paged one
+    more block per step four times inside the measured window. The weight planner, still refining,
+    measures the recompute's peak from the start; the refinement later stops recomputing the last
+    blocks the settled peak has room for (activation_auto.maybe_refine)."""
+    if not getattr(session, "recompute_auto", False):
+        return False
+    stateful = activation_auto.stateful(prof.blocks, chosen)
+    if stateful:
+        session.events.append(f"activation_recompute=auto: the blocks are paged, not recomputed: {stateful}")
+        return False
+    recompute_blocks(session, prof.blocks, chosen, why=f" (activation_recompute=auto: instead of paging them; {why})")
+    refine_later(session, prof, chosen, recomputing=True)
+    if session.cuda:
+        # The first step's segments were cut for its own pattern, as after paging (below).
+        budget_binds(session, f"activations of {len(chosen)} blocks are recomputed to fit the budget")
+        torch.cuda.empty_cache()
+    check_activation_host(session, 0)
+    trim_pages_host(session, 0, "the blocks the first step paged are recomputed instead")
+    return True
+
+
+def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int], recomputing: bool = False) -> None:
+    """Leaves the blocks just chosen (paged, or `recomputing`) for activation_auto.maybe_refine,
+    which brings back those the settled plan's measured peak has room for; torch's peak restarts so
+    that the next step measures them (the weight planner resets it too, after each step it refines)."""
     session.act_refine = activation_auto.Refine(
         prof.model, prof.name, list(prof.blocks), list(chosen), list(prof.block_bytes), prof.min_bytes,
-        session.act_pager, session.steps)
+        session.act_pager, session.steps, recomputing)
     activation_auto.changed(session)
 
 

@@ -552,13 +552,13 @@ def activations_to_page(peak: int, usable: Optional[int], block_bytes: Sequence[
 
 
 def activations_to_keep(peak: int, usable: int, chosen: Sequence[int], block_bytes: Sequence[int],
-                        margin: float) -> tuple[list[int], list[int], str]:
+                        margin: float, recomputed: bool = False) -> tuple[list[int], list[int], str]:
     """`activation_offload="auto"`'s refinement once the memory plan has settled (activation_auto.py):
-    of the paged blocks `chosen`, the last ones (made last, needed first in backward) whose saved
-    bytes (`block_bytes`, by block index) fit under the `usable` VRAM less `margin` of it with the
-    measured `peak`, come back to the device: each adds its saved bytes to the peak at most (they
-    live from its forward to its backward, the peak is between). Returns (the blocks still paged,
-    those that come back, explanation)."""
+    of the paged blocks `chosen` (or the `recomputed` ones), the last ones (made last, needed first
+    in backward) whose saved bytes (`block_bytes`, by block index) fit under the `usable` VRAM less
+    `margin` of it with the measured `peak`, come back to the device: each adds its saved bytes to
+    the peak at most (they live from its forward to its backward, the peak is between). Returns
+    (the blocks still paged or recomputed, those that come back, explanation)."""
     room = usable - int(usable * margin) - peak
     back: list[int] = []
     total = 0
@@ -572,11 +572,14 @@ def activations_to_keep(peak: int, usable: int, chosen: Sequence[int], block_byt
     kept = [i for i in chosen if i not in returning]
     why = (f"measured peak {format_bytes(peak)} of {format_bytes(usable)} usable VRAM, {format_bytes(max(0, room))} "
            f"left less a {margin:.0%} margin")
-    if back:
+    if back and recomputed:
+        why += (f": the saved activations of blocks {block_ranges(back)} ({format_bytes(total)}) stay on the device from "
+                f"now on, one forward of {len(back)} blocks less per step")
+    elif back:
         why += (f": the saved activations of blocks {block_ranges(back)} ({format_bytes(total)}) stay on the device from "
                 f"now on, {format_bytes(total)} less host and PCIe traffic each way per step")
     else:
-        why += ": no paged block's saved activations fit there"
+        why += f": no {'recomputed' if recomputed else 'paged'} block's saved activations fit there"
     return kept, back, why
 
 

@@ -813,7 +813,7 @@ def test_paging_profiler_refuses_clearly_what_tsd_cannot_lend_and_the_step_runs_
                         memory_plan=None, check_memory=True, activation_host_bytes=0, steps=1, cuda=False)
     decide_activation_offload(s)
     assert s.act_pager is not prof and list(s.act_pager.blocks) == list(model.layers)
-    assert "stay paged so that the weight planner's measured peak holds" in s.events[-1], s.events
+    assert "stay off the device so that the weight planner's measured peak holds" in s.events[-1], s.events
     s.act_pager.remove()
 
 

@@ -149,10 +149,12 @@ def test_recompute_auto_is_the_default_and_needs_activation_offload_auto(tsd):
 
 
 @pytest.mark.parametrize("room_for", [0, 2])
-def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_for):
-    """activation_recompute="auto": where activation_offload="auto"'s refinement would keep blocks
-    paged (3 paged, room for `room_for` of them back), it recomputes them instead and pages none;
-    the GPU share waits for it as for the refinement. Gradients stay bit-identical."""
+def test_recompute_auto_recomputes_what_the_first_decision_takes_off_and_brings_back_what_fits(room_for):
+    """activation_recompute="auto": the blocks activation_offload="auto"'s first decision takes off
+    the device (3 of 4) are recomputed from the next step, none paged, and their host memory goes
+    back to tsd; once the plan settles, the last `room_for` the peak has room for keep their
+    activations again. The GPU share waits for a step measured after any change. Gradients stay
+    bit-identical."""
     from types import SimpleNamespace
 
     from test_memory_checks import MiB, Tower, TrimsSeen, first_step_paged
@@ -167,18 +169,23 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
                                recompute_auto=True)
     session.arena = TrimsSeen()
     decide_activation_offload(session)
-    assert session.act_refine is not None and session.recompute is None  # paged first, as without the option
+    assert session.act_pager is None and session.activation_host_bytes == 0 and session.arena.trims[-1] == 0
+    assert session.recompute.blocks_recomputed == [0, 1, 2] and session.act_refine.recomputing
+    assert [recomputed(b) for b in model.layers] == [True, True, True, False]
+    assert any("activation_recompute: blocks 0-2" in e and "instead of paging them" in e for e in session.events)
+    assert not activation_auto.settled(session)
     session.steps = 2
     activation_auto.maybe_refine(session)
-    assert session.act_refine is None and session.act_pager is None and session.activation_host_bytes == 0
-    assert session.arena.trims[-1] == 0  # every page's host memory goes back to tsd
-    assert not activation_auto.settled(session)  # the GPU share waits for a step measured without the pages
-    session.steps = 3
-    assert activation_auto.settled(session)
+    assert session.act_refine is None and session.act_pager is None
     stays = [0, 1, 2][:3 - room_for]
     assert session.recompute.blocks_recomputed == stays, session.events
     assert [recomputed(b) for b in model.layers] == [i in stays for i in range(4)]
-    assert any("activation_recompute: blocks" in e and "instead of paging them" in e for e in session.events)
+    # Nothing changed at step 2 with no room: settled at once; else one step measures the change.
+    assert activation_auto.settled(session) == (room_for == 0)
+    said = "keep their saved activations again" if room_for else "the recomputed blocks stay recomputed"
+    assert said in session.events[-1], session.events
+    session.steps = 3
+    assert activation_auto.settled(session)
     x = torch.randn(32, 64)
     model(x).square().sum().backward()
     ref(x).square().sum().backward()
@@ -186,10 +193,12 @@ def test_recompute_auto_recomputes_what_stays_paged_once_the_plan_settles(room_f
     session.recompute.remove()
 
 
-def test_recompute_auto_has_a_settled_weight_plan_refine_again_before_the_share_decides():
-    """Recomputing instead of paging changes the peak the weight plan (param_offload="auto") settled
-    on: the plan refines again from the next step (several blocks at once, where the watchdog
-    would move one per step), and the GPU share waits until it settles again."""
+@pytest.mark.parametrize("room_for", [0, 2])
+def test_recompute_auto_recomputes_while_the_weight_plan_refines_and_moves_it_again_only_on_a_change(room_for):
+    """The first decision recomputes while the weight plan (param_offload="auto") still refines, so
+    the plan settles on the recompute's peak; the refinement after it changes nothing where the peak
+    has no room (the plan stays settled and the GPU share decides at once), and where blocks come
+    back the plan refines again from the next step and the share waits until it settles."""
     from types import SimpleNamespace
 
     from test_memory_checks import MiB, Tower, TrimsSeen, first_step_paged
@@ -198,31 +207,36 @@ def test_recompute_auto_has_a_settled_weight_plan_refine_again_before_the_share_
     from trainstream.planner import Budget, MemoryPlanner
 
     model = Tower()
+    per = 100 * MiB
     plan = MemoryPlanner(Budget(vram_usable=2000 * MiB), [10 * MiB] * 4)
-    session = first_step_paged(model, 100 * MiB, plan, lambda: 1900 * MiB - 50 * MiB, recompute_auto=True)
+    session = first_step_paged(model, per, plan, lambda: 1900 * MiB - room_for * per - per // 2, recompute_auto=True)
     session.arena = TrimsSeen()
     decide_activation_offload(session)  # after step 1, with the weight plan still refining
+    assert session.recompute.blocks_recomputed == [0, 1, 2]
     for _ in range(2):
         plan.observe(1000 * MiB, set())
     assert plan.done
     session.steps = 2
     activation_auto.maybe_refine(session)
-    assert session.recompute is not None and session.recompute.blocks_recomputed == [0, 1, 2]
-    assert not plan.done, session.events
-    assert any("memory plan: measured again from the next step (activation_offload=auto changed what is paged or "
-               "recomputed after step 2)" in e for e in session.events), session.events
+    assert session.act_refine is None
+    assert plan.done == (room_for == 0), session.events
+    again = [e for e in session.events if "memory plan: measured again from the next step (activation_offload=auto "
+             "changed what is paged or recomputed after step 2)" in e]
+    assert len(again) == (1 if room_for else 0), session.events
     session.auto_share = share_auto.Pending([], frozenset(), "float32")
     session.by_param = {}
     opt = SimpleNamespace(_session=session)
     session.steps = 3
-    assert plan.observe(1000 * MiB, set()) is None  # steady once: the plan is not settled yet
+    if room_for:
+        assert plan.observe(1000 * MiB, set()) is None  # steady once: the plan is not settled yet
+        share_auto.maybe_decide(opt)  # type: ignore[arg-type]
+        assert session.auto_share is not None and not plan.done
+        session.steps = 4
+        assert plan.observe(1000 * MiB, set()) is None
+        assert plan.done  # two steady steps
     share_auto.maybe_decide(opt)  # type: ignore[arg-type]
-    assert session.auto_share is not None and not plan.done
-    session.steps = 4
-    assert plan.observe(1000 * MiB, set()) is None
-    assert plan.done  # two steady steps
-    share_auto.maybe_decide(opt)  # type: ignore[arg-type]
-    assert session.auto_share is None and "optimizer_gpu_fraction=auto after step 4" in session.events[-1]
+    assert session.auto_share is None
+    assert f"optimizer_gpu_fraction=auto after step {session.steps}" in session.events[-1], session.events
     session.recompute.remove()
 
 

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..units import block_ranges
 from .activations import in_backward
 
-__all__ = ["Recomputer", "recompute_blocks", "recomputed", "state_in_forward"]
+__all__ = ["Recomputer", "recompute_blocks", "recomputed", "state_in_forward", "stop_recomputing"]
 
 _SUBCLASSES: dict[type, type] = {}
 
@@ -145,3 +145,20 @@ def recompute_blocks(session: Any, blocks: Sequence[nn.Module], chosen: Sequence
     session.recompute.install()
     session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
                           f"{len(blocks)}) are recomputed in backward, their forward's saved activations dropped{why}")
+
+
+def stop_recomputing(session: Any, blocks: Sequence[nn.Module], indices: Sequence[int], why: str = "") -> None:
+    """Blocks `indices` of `blocks` keep their saved activations again from the next forward on
+    (activation_recompute="auto"'s refinement, when the settled peak has room for them); the
+    session's other recomputed blocks stay so; logs it in the session's events."""
+    done = session.recompute
+    if done is None:
+        return
+    rest = sorted(set(done.indices) - set(indices))
+    done.remove()
+    session.recompute = None
+    if rest:
+        session.recompute = Recomputer(done.blocks, rest)
+        session.recompute.install()
+    session.events.append(f"activation_recompute: blocks {block_ranges(sorted(indices))} ({len(indices)} of "
+                          f"{len(blocks)}) keep their saved activations again, {len(rest)} stay recomputed{why}")
