@@ -640,13 +640,15 @@ def test_cuda_wrap_counts_the_per_process_memory_fraction(tsd):
 
 
 @cuda
+@pytest.mark.parametrize("rec", [False, "auto"])
 @pytest.mark.parametrize("po", [False, "auto"])
-def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request, po):
+def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identically(tsd, request, po, rec):
     """Under a usable VRAM below the first step's peak, "auto" pages the first blocks'
-    activations from the second step on, and the run equals an unpaged one bit for bit; with
-    room, it pages nothing. With param_offload="auto" (the default) too: the block planner resets
-    torch's peak after the first step, and the activation decision still sees that step's peak
-    (and the planner pages every block's weights under 1 MiB)."""
+    activations from the second step on (with activation_recompute="auto", the default, it
+    recomputes them instead), and the run equals an unpaged one bit for bit; with room, it pages
+    nothing. With param_offload="auto" (the default) too: the block planner resets torch's peak
+    after the first step, and the activation decision still sees that step's peak (and the
+    planner pages every block's weights under 1 MiB)."""
     data = batches(4, batch=256, device="cuda")
     out = {}
     # Two runs of this model can agree bit for bit only with deterministic kernels: at batch 256
@@ -659,7 +661,7 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
         model = make_gpt(0, d=256, layers=4, heads=4).cuda()
         model, opt = trainstream.wrap(model, torch.optim.AdamW(param_groups(model, 0.1, 3e-3), **HP), device="cuda",
                                       socket=tsd.socket, offload=True, budget=Budget(vram_usable=usable),
-                                      check_memory=False, param_offload=po)
+                                      check_memory=False, param_offload=po, activation_recompute=rec)
         session = trainstream.unwrap_session(model)
         try:
             assert isinstance(session.act_pager, ActivationProfiler), (usable, session.events)
@@ -667,9 +669,16 @@ def test_cuda_activation_offload_auto_pages_what_the_budget_needs_bit_identicall
             losses = train(model, opt, data, 4)
             if usable == 1 << 40:
                 assert session.act_pager is None and any("nothing paged" in e for e in session.events)
+                assert session.recompute is None
+            elif rec == "auto":  # recomputed from the second step on, nothing paged
+                assert session.act_pager is None and session.activation_host_bytes == 0, session.events
+                assert session.recompute is not None and session.recompute.blocks_recomputed, session.events
+                assert any("instead of paging them; activation_offload=auto after the first step" in e
+                           for e in session.events), session.events
             else:
                 assert session.act_pager is not None and not isinstance(session.act_pager, ActivationProfiler)
                 assert session.act_pager.paged_bytes > 0 and session.arena is not None
+                assert session.recompute is None
                 assert any("activation_offload=auto after the first step" in e for e in session.events)
                 if po == "auto":
                     assert session.pager.paged == {0, 1, 2, 3}
