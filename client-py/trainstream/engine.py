@@ -160,7 +160,7 @@ class Session:
         # the decisions made from a measured peak (the GPU share, offload="auto") wait for a step after it.
         self.activations_changed_at = -1
         self.recompute: Any = None  # paging.recompute.Recomputer: the blocks recomputed in backward
-        self.recompute_auto = False  # activation_recompute="auto": the refinement recomputes what stays paged
+        self.recompute_auto = False  # activation_recompute="auto": what the first decision takes off is recomputed
         self.head_check: Any = None  # paging.first_step's hook handle, until the first training forward
         self.moved: set[int] = set()
         self.retired_bytes = 0  # host memory tsd returned to its pool when the moved buckets retired
