@@ -151,7 +151,6 @@ def maybe_refine(session: "Session") -> None:
     trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged after the refinement")
 
 
-
 def _recompute_fewer(session: "Session", pending: Refine, back: list[int], head: str) -> None:
     """The refinement of blocks the first decision recomputes: those of them the settled peak has
     room for (`back`) keep their saved activations from the next step on; the rest stay recomputed."""
@@ -159,4 +158,4 @@ def _recompute_fewer(session: "Session", pending: Refine, back: list[int], head:
         session.events.append(f"{head}; the recomputed blocks stay recomputed")
         return
     changed(session)
-    stop_recomputing(session, pending.blocks, back, why=f" ({head})")
+    stop_recomputing(session, back, why=f" ({head})")

@@ -441,13 +441,7 @@ def decide_activation_offload(session: Session) -> None:
     page_blocks(session, prof.model, prof.name, prof.blocks, chosen,
                 why=f" (activation_offload=auto after the first step: {why})", min_bytes=prof.min_bytes)
     refine_later(session, prof, chosen)
-    if session.cuda:
-        # The first step's cached segments were cut for its own pattern (nothing, or other blocks,
-        # paged); kept, they fragment the next steps' under a cap. Measured on the H100 (1.5B,
-        # 16 GiB cap): step 2 ran out of VRAM with 10.1 GiB allocated and 4.0 GiB cached unused.
-        # From now on, segments that grow (allocator.py), unless the user chose otherwise.
-        budget_binds(session, f"activations of {len(chosen)} blocks are paged to fit the budget")
-        torch.cuda.empty_cache()
+    recut_segments(session, f"activations of {len(chosen)} blocks are paged to fit the budget")
     check_activation_host(session, sum(prof.block_bytes[i] for i in chosen))
     trim_pages_host(session, session.activation_host_bytes, "fewer blocks paged than the first step did")
 
@@ -470,13 +464,21 @@ def recompute_first(session: Session, prof: ActivationProfiler, chosen: list[int
         return False
     recompute_blocks(session, prof.blocks, chosen, why=f" (activation_recompute=auto: instead of paging them; {why})")
     refine_later(session, prof, chosen, recomputing=True)
-    if session.cuda:
-        # The first step's segments were cut for its own pattern, as after paging (below).
-        budget_binds(session, f"activations of {len(chosen)} blocks are recomputed to fit the budget")
-        torch.cuda.empty_cache()
+    recut_segments(session, f"activations of {len(chosen)} blocks are recomputed to fit the budget")
     check_activation_host(session, 0)
     trim_pages_host(session, 0, "the blocks the first step paged are recomputed instead")
     return True
+
+
+def recut_segments(session: Session, reason: str) -> None:
+    """After the first decision changed what the steps keep on the device (`reason`): the first
+    step's cached segments were cut for its own pattern (nothing, or other blocks, paged); kept,
+    they fragment the next steps' under a cap. Measured on the H100 (1.5B, 16 GiB cap): step 2 ran
+    out of VRAM with 10.1 GiB allocated and 4.0 GiB cached unused. From now on, segments that grow
+    (allocator.py), unless the user chose otherwise; the cache is emptied. Nothing on the CPU."""
+    if session.cuda:
+        budget_binds(session, reason)
+        torch.cuda.empty_cache()
 
 
 def refine_later(session: Session, prof: ActivationProfiler, chosen: list[int], recomputing: bool = False) -> None:

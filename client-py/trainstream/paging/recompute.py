@@ -138,27 +138,30 @@ def recompute_blocks(session: Any, blocks: Sequence[nn.Module], chosen: Sequence
     (`engine.Session`) recomputes already (what wrap(activation_recompute=...) installs, and
     "auto" after the refinement); logs it in the session's events."""
     done = session.recompute
-    before = set(done.indices) if done is not None else set()
-    if done is not None:
-        done.remove()
-    session.recompute = Recomputer(blocks, sorted(before | set(chosen)))
-    session.recompute.install()
+    _recompute_only(session, blocks, set(done.indices if done is not None else ()) | set(chosen))
     session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
                           f"{len(blocks)}) are recomputed in backward, their forward's saved activations dropped{why}")
 
 
-def stop_recomputing(session: Any, blocks: Sequence[nn.Module], indices: Sequence[int], why: str = "") -> None:
-    """Blocks `indices` of `blocks` keep their saved activations again from the next forward on
-    (activation_recompute="auto"'s refinement, when the settled peak has room for them); the
-    session's other recomputed blocks stay so; logs it in the session's events."""
+def stop_recomputing(session: Any, indices: Sequence[int], why: str = "") -> None:
+    """Blocks `indices` of the session's recomputed ones keep their saved activations again from
+    the next forward on (activation_recompute="auto"'s refinement, when the settled peak has room
+    for them); the others stay recomputed; logs it in the session's events."""
     done = session.recompute
     if done is None:
         return
-    rest = sorted(set(done.indices) - set(indices))
-    done.remove()
-    session.recompute = None
-    if rest:
-        session.recompute = Recomputer(done.blocks, rest)
-        session.recompute.install()
+    rest = set(done.indices) - set(indices)
+    _recompute_only(session, done.blocks, rest)
     session.events.append(f"activation_recompute: blocks {block_ranges(sorted(indices))} ({len(indices)} of "
-                          f"{len(blocks)}) keep their saved activations again, {len(rest)} stay recomputed{why}")
+                          f"{len(done.blocks)}) keep their saved activations again, {len(rest)} stay recomputed{why}")
+
+
+def _recompute_only(session: Any, blocks: Sequence[nn.Module], indices: set[int]) -> None:
+    """The session recomputes blocks `indices` of `blocks` from now on, and no others: its
+    Recomputer (if any) gives every block back, and a new one, if any block is left, swaps those."""
+    if session.recompute is not None:
+        session.recompute.remove()
+    session.recompute = None
+    if indices:
+        session.recompute = Recomputer(blocks, sorted(indices))
+        session.recompute.install()
