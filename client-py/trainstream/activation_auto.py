@@ -96,9 +96,10 @@ def stateful(blocks: list[nn.Module], indices: list[int]) -> str:
 
 
 def maybe_refine(session: "Session") -> None:
-    """After a step: brings back the paged blocks the measured peak leaves room for, when a step
-    has run with the pages and the weight plan (if any) has settled; else waits for the next step.
-    Decides once; a pager installed since by anything else cancels it."""
+    """After a step: brings back the paged (or recomputed) blocks the measured peak leaves room
+    for, when a step has run with them and the weight plan (if any) has settled; else waits for the
+    next step. Decides once; a pager installed since, or recomputes changed, by anything else
+    cancels it."""
     pending: Optional[Refine] = getattr(session, "act_refine", None)
     if pending is None:
         return

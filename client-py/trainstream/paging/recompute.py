@@ -136,7 +136,8 @@ class Recomputer:
 def recompute_blocks(session: Any, blocks: Sequence[nn.Module], chosen: Sequence[int], why: str = "") -> None:
     """Recomputes blocks `chosen` of `blocks` in backward from now on, beside any the session
     (`engine.Session`) recomputes already (what wrap(activation_recompute=...) installs, and
-    "auto" after the refinement); logs it in the session's events."""
+    "auto" after the first step, or after the refinement where the first decision paged); logs it
+    in the session's events."""
     done = session.recompute
     _recompute_only(session, blocks, set(done.indices if done is not None else ()) | set(chosen))
     session.events.append(f"activation_recompute: blocks {block_ranges(sorted(chosen))} ({len(chosen)} of "
